@@ -1,0 +1,185 @@
+"""``VLMModule``: the reference VLM as a LightningModule (losses, metrics, optimizer)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+
+from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
+from lightning_mm.models.losses import VLMLosses, compute_losses
+from lightning_mm.models.metrics import ImageTextRecallAtK
+from lightning_mm.models.vlm import VisionLanguageModel, build_config
+
+__all__ = ["VLMModule"]
+
+
+class VLMModule(L.LightningModule):
+    """Reference vision-language model with captioning + contrastive training.
+
+    Args:
+        preset: model size, one of ``tiny`` (< 1M params), ``small`` (~10M, CPU demo), ``1b`` (GPU).
+        vocab_size: tokenizer vocabulary size (the CLI links it from the DataModule); None keeps the preset's.
+        patch_size: image patch side in pixels; must equal the DataModule's (linked by the CLI).
+        max_patches_per_image: cap on patches per image; must equal the DataModule's (linked by the CLI).
+        contrastive_weight: weight of the CLIP-style image-text loss.
+        moe_aux_weight: weight of the modality-expert load-balancing loss.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on matrices (not on norms, biases, gates, temperature).
+        warmup_steps: linear warm-up steps before cosine decay.
+        min_lr_ratio: final learning rate as a fraction of the peak.
+        model_overrides: other ``VLMConfig`` fields to override, e.g. ``{"fusion_layers": 3}``.
+    """
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        vocab_size: int | None = None,
+        patch_size: int | None = None,
+        max_patches_per_image: int | None = None,
+        contrastive_weight: float = 1.0,
+        moe_aux_weight: float = 0.01,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.05,
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+        model_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        self.config = build_config(
+            preset,
+            vocab_size=vocab_size,
+            patch_size=patch_size,
+            max_patches_per_image=max_patches_per_image,
+            **(model_overrides or {}),
+        )
+        self.model = VisionLanguageModel(self.config)
+        self.val_token_accuracy = MulticlassAccuracy(
+            num_classes=self.config.vocab_size, ignore_index=IGNORE_INDEX, average="micro"
+        )
+        self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+        self.val_recall = ImageTextRecallAtK(top_k=1)
+        self._last_step_end: float | None = None
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """Process group over which samples differ (losses gather negatives and counts over it).
+
+        A strategy that knows its mesh (``HybridParallelStrategy``) exposes ``data_parallel_group``;
+        otherwise every process is a data-parallel peer (DDP, FSDP), and one process means no group.
+        """
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        group = getattr(strategy, "data_parallel_group", None)
+        if group is not None:
+            return group
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.group.WORLD
+        return None
+
+    def _losses(self, batch: MultimodalBatch) -> tuple[VLMLosses, Any]:
+        output = self.model(batch)
+        losses = compute_losses(
+            output,
+            batch,
+            contrastive_weight=self.hparams.contrastive_weight,
+            moe_aux_weight=self.hparams.moe_aux_weight,
+            group=self.data_parallel_group(),
+        )
+        return losses, output
+
+    def _log_losses(self, stage: str, losses: VLMLosses, batch_size: int, on_step: bool) -> None:
+        # Each rank's loss is its share of the global mean (see models/losses.py): the rank average,
+        # which sync_dist computes, is the loss of the global batch.
+        values = {
+            f"{stage}/loss": losses.total,
+            f"{stage}/caption_loss": losses.caption,
+            f"{stage}/contrastive_loss": losses.contrastive,
+            f"{stage}/moe_aux_loss": losses.moe_aux,
+        }
+        for name, value in values.items():
+            self.log(
+                name, value.detach(), prog_bar=name.endswith("/loss"), on_step=on_step, on_epoch=not on_step,
+                batch_size=batch_size, sync_dist=True,
+            )
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def forward(self, batch: MultimodalBatch):
+        return self.model(batch)
+
+    def training_step(self, batch: MultimodalBatch, batch_idx: int) -> torch.Tensor:
+        losses, _ = self._losses(batch)
+        self._log_losses("train", losses, batch.num_samples, on_step=True)
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            # Wall time between consecutive steps (data loading included), global samples.
+            samples = batch.num_samples * self.trainer.world_size
+            self.log("samples_per_sec", samples / max(now - self._last_step_end, 1e-9), prog_bar=True,
+                     on_step=True, batch_size=batch.num_samples)
+        self._last_step_end = now
+        return losses.total
+
+    def on_train_epoch_start(self) -> None:
+        self._last_step_end = None
+
+    def validation_step(self, batch: MultimodalBatch, batch_idx: int) -> None:
+        losses, output = self._losses(batch)
+        self._log_losses("val", losses, batch.num_samples, on_step=False)
+        valid = batch.labels != IGNORE_INDEX
+        self.val_token_accuracy.update(output.logits[valid], batch.labels[valid])
+        self.val_perplexity.update(output.logits.float(), batch.labels)
+        pairs = (batch.sample_ids >= 0) & batch.has_image
+        self.val_recall.update(output.image_embeds[pairs], output.text_embeds[pairs])
+
+    def on_validation_epoch_end(self) -> None:
+        # Recall is over the whole validation set, so chance level is 1 / (pairs in the set).
+        pairs = self.val_recall.num_pairs()
+        if self.trainer.world_size > 1:
+            pairs = int(self.trainer.strategy.reduce(torch.tensor(float(pairs), device=self.device), "sum"))
+        self.log("val/recall_at_1", self.val_recall.compute(), prog_bar=True)
+        self.log("val/recall_at_1_chance", 1.0 / max(pairs, 1))
+        self.log("val/token_accuracy", self.val_token_accuracy.compute())
+        self.log("val/perplexity", self.val_perplexity.compute())
+        for metric in (self.val_recall, self.val_token_accuracy, self.val_perplexity):
+            metric.reset()
+
+    # ------------------------------------------------------------------------------------------ optim
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            if not param.requires_grad:
+                continue
+            is_matrix = param.ndim >= 2 and "embed" not in name
+            (decay if is_matrix else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.learning_rate,
+            betas=(0.9, 0.95),
+        )
+        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+
+        def lr_factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,443 @@
+"""The reference vision-language model, in one file.
+
+    patches ─► VisionEncoder (ViT over variable-resolution patch grids, attention inside each image)
+              │                       └──► pooled image embedding ─┐ (contrastive)
+              ▼                                                    │
+            projector ─► media tokens ───────────────┐             │
+                                                     ▼             │
+    tokens ─► unimodal decoder layers ─► FusionBlocks (causal self-attn, gated cross-attn to the
+              (causal, CoCa-style)  │    sample's own image, modality-expert FFN on text AND media)
+                                    └──► pooled text embedding ────┘
+                                                     ▼
+                                                 LM head ─► next-token logits (captioning)
+
+The contrastive text embedding is taken *before* any cross-attention (as in CoCa), so it cannot see
+its image. Every attention mask is built from segment ids, so the same code serves one-sample-per-row
+batches and packed rows (several image-caption pairs per row).
+
+Attention projections are separate ``q_proj / k_proj / v_proj / o_proj`` linears and heads are
+inferred from the projection output (``view(..., -1, head_dim)``), so tensor-parallel plans can
+shard them by heads without touching this file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mm.batch import MultimodalBatch
+
+__all__ = [
+    "VLMConfig",
+    "PRESETS",
+    "build_config",
+    "VisionLanguageModel",
+    "VLMOutput",
+    "RouterStats",
+    "ModalityExperts",
+]
+
+
+@dataclass(frozen=True)
+class VLMConfig:
+    """Pure data: every size of the reference model."""
+
+    vocab_size: int = 512
+    patch_size: int = 16
+    max_patches_per_image: int = 64
+    """Cap on patches per image; also the size of the row / column position tables."""
+    vision_width: int = 64
+    vision_layers: int = 2
+    vision_heads: int = 2
+    text_width: int = 64
+    text_heads: int = 2
+    unimodal_layers: int = 1
+    """Decoder layers without cross-attention; their output gives the contrastive text embedding."""
+    fusion_layers: int = 1
+    """Decoder layers with cross-attention to the image and modality-expert FFNs."""
+    mlp_ratio: float = 4.0
+    vision_experts: int = 2
+    """Experts ``[0, vision_experts)`` of each fusion block serve media tokens."""
+    text_experts: int = 2
+    """Experts ``[vision_experts, vision_experts + text_experts)`` serve text tokens."""
+    expert_hidden: int = 256
+    embed_dim: int = 32
+    """Width of the shared image-text embedding space of the contrastive loss."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "patch_size", "max_patches_per_image", "vision_width", "vision_layers",
+                     "vision_heads", "text_width", "text_heads", "fusion_layers", "vision_experts",
+                     "text_experts", "expert_hidden", "embed_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"VLMConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.unimodal_layers < 1:
+            raise ValueError(
+                f"VLMConfig.unimodal_layers must be >= 1 (the contrastive text embedding comes from them), "
+                f"got {self.unimodal_layers}"
+            )
+        for width, heads in (("vision_width", "vision_heads"), ("text_width", "text_heads")):
+            if getattr(self, width) % getattr(self, heads):
+                raise ValueError(f"VLMConfig.{width}={getattr(self, width)} must be divisible by "
+                                 f"{heads}={getattr(self, heads)}")
+        if (self.text_width // self.text_heads) % 2:
+            raise ValueError("VLMConfig: text head dim (text_width / text_heads) must be even for rotary embeddings")
+
+
+PRESETS: dict[str, VLMConfig] = {
+    # < 1M parameters: unit and multi-process tests.
+    "tiny": VLMConfig(),
+    # ~10M parameters: the CPU demo of `lightning-mm fit`.
+    "small": VLMConfig(
+        vocab_size=1024, vision_width=192, vision_layers=4, vision_heads=3, text_width=256, text_heads=4,
+        unimodal_layers=2, fusion_layers=2, vision_experts=2, text_experts=2, expert_hidden=512, embed_dim=128,
+    ),
+    # ~1.1B parameters: a GPU configuration (bf16, sharded).
+    "1b": VLMConfig(
+        vocab_size=32000, patch_size=14, max_patches_per_image=1024, vision_width=1024, vision_layers=16,
+        vision_heads=16, text_width=2048, text_heads=16, unimodal_layers=6, fusion_layers=6,
+        vision_experts=2, text_experts=2, expert_hidden=3072, embed_dim=768,
+    ),
+}
+
+
+def build_config(preset: str = "tiny", **overrides: object) -> VLMConfig:
+    """A preset with some fields replaced (``None`` values are ignored); errors name the bad key."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    known = {f.name for f in fields(VLMConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown model option(s) {unknown}; known: {sorted(known)}")
+    config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+    config.validate()
+    return config
+
+
+# ----------------------------------------------------------------------------------------------- masks
+
+
+def segment_self_mask(segment: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``(R, L, L)`` bool: query ``i`` may attend key ``j`` (same segment, not padding, ``j <= i`` if causal).
+
+    Padding queries attend to themselves only, so no softmax row is empty (an all-masked row gives NaN
+    in both forward and backward even when its output is later ignored).
+    """
+    same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, None, :] >= 0)
+    if causal:
+        length = segment.shape[1]
+        same = same & torch.ones(length, length, dtype=torch.bool, device=segment.device).tril()
+    eye = torch.eye(segment.shape[1], dtype=torch.bool, device=segment.device)
+    return same | eye
+
+
+def cross_mask(token_segment: torch.Tensor, patch_segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask for caption tokens attending to image patches of the same sample.
+
+    Returns:
+        mask: ``(R, T, Np)`` bool, safe for softmax (rows without any allowed key are opened fully).
+        has_key: ``(R, T)`` bool, False for tokens whose sample has no image (or padding); the cross-attention
+            output of those tokens must be multiplied by it, which zeroes both value and gradient.
+    """
+    allowed = (token_segment[:, :, None] == patch_segment[:, None, :]) & (patch_segment[:, None, :] >= 0)
+    allowed = allowed & (token_segment[:, :, None] >= 0)
+    has_key = allowed.any(dim=-1)
+    return allowed | ~has_key[:, :, None], has_key
+
+
+def positions_in_segment(causal_mask: torch.Tensor) -> torch.Tensor:
+    """``(R, T)`` long position of each token inside its segment, from the causal segment mask."""
+    return (causal_mask.sum(dim=-1) - 1).clamp(min=0)
+
+
+# ------------------------------------------------------------------------------------------ building blocks
+
+
+def _rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin tables ``(R, 1, T, head_dim)`` for rotary position embeddings."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions[:, :, None].float() * inv_freq  # (R, T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention; self-attention when ``context`` is ``x``, cross-attention otherwise."""
+
+    def __init__(self, dim: int, heads: int, context_dim: int | None = None) -> None:
+        super().__init__()
+        context_dim = context_dim or dim
+        self.head_dim = dim // heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(context_dim, dim, bias=False)
+        self.v_proj = nn.Linear(context_dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        mask: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``x (R, Lq, D)``, ``context (R, Lk, Dc)``, ``mask (R, Lq, Lk)`` bool -> ``(R, Lq, D)``."""
+        rows, len_q, _ = x.shape
+        len_k = context.shape[1]
+        # (R, H, L, hd); -1 heads so a TP-sharded projection yields the local heads.
+        q = self.q_proj(x).view(rows, len_q, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(context).view(rows, len_k, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(context).view(rows, len_k, -1, self.head_dim).transpose(1, 2)
+        if rotary is not None:
+            q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        return self.o_proj(out.transpose(1, 2).reshape(rows, len_q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention + MLP (ViT blocks and the unimodal decoder layers)."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, eps: float) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(dim, eps=eps)
+        self.attn = Attention(dim, heads)
+        self.mlp_norm = nn.LayerNorm(dim, eps=eps)
+        self.mlp = MLP(dim, int(dim * mlp_ratio))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rotary=None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        x = x + self.attn(h, h, mask, rotary)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class RouterStats:
+    """What the load-balancing loss needs from one routing decision (one modality of one layer)."""
+
+    expert_counts: torch.Tensor
+    """``(E_group,)`` float tokens routed to each expert (no gradient)."""
+    prob_sums: torch.Tensor
+    """``(E_group,)`` router probabilities summed over tokens (with gradient)."""
+
+
+class ModalityExperts(nn.Module):
+    """Modality-expert FFN: ``E = vision_experts + text_experts`` experts, top-1 routing per modality group.
+
+    Expert weights are stacked ``(E, ...)`` so expert parallelism can shard dim 0; experts
+    ``[0, Ev)`` form the vision group, ``[Ev, E)`` the text group. No token is dropped (no capacity
+    limit); padding tokens are not routed at all, so routing statistics do not depend on padding.
+    """
+
+    def __init__(self, dim: int, hidden: int, vision_experts: int, text_experts: int) -> None:
+        super().__init__()
+        self.group_sizes = {"vision": vision_experts, "text": text_experts}
+        self.group_offsets = {"vision": 0, "text": vision_experts}
+        experts = vision_experts + text_experts
+        self.w_in = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.b_in = nn.Parameter(torch.zeros(experts, hidden))
+        self.w_out = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.b_out = nn.Parameter(torch.zeros(experts, dim))
+        self.router_vision = nn.Linear(dim, vision_experts, bias=False)
+        self.router_text = nn.Linear(dim, text_experts, bias=False)
+        nn.init.normal_(self.w_in, std=dim**-0.5)
+        nn.init.normal_(self.w_out, std=hidden**-0.5)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor, modality: str) -> tuple[torch.Tensor, RouterStats]:
+        """``x (R, L, D)``, ``valid (R, L)`` bool -> ``(R, L, D)`` (zero at invalid positions), stats."""
+        router = self.router_vision if modality == "vision" else self.router_text
+        offset = self.group_offsets[modality]
+        tokens = x[valid]  # (N, D)
+        probs = router(tokens).float().softmax(dim=-1)  # (N, E_group)
+        gate, choice = probs.max(dim=-1)
+        routed = torch.zeros_like(tokens)
+        for local in range(self.group_sizes[modality]):
+            # Every expert runs, on zero tokens if none were routed to it, so all parameters stay in the
+            # autograd graph (DDP without find_unused_parameters, FSDP reduce-scatter of every shard).
+            index = (choice == local).nonzero().squeeze(-1)
+            expert = offset + local
+            h = F.gelu(tokens[index] @ self.w_in[expert] + self.b_in[expert])
+            h = h @ self.w_out[expert] + self.b_out[expert]
+            routed = routed.index_add(0, index, h * gate[index, None].to(h.dtype))
+        out = x.new_zeros(x.shape).masked_scatter(valid[..., None], routed)
+        counts = torch.bincount(choice, minlength=probs.shape[-1]).to(probs.dtype)
+        return out, RouterStats(expert_counts=counts, prob_sums=probs.sum(dim=0))
+
+
+class FusionBlock(nn.Module):
+    """Decoder layer with gated cross-attention (Flamingo / Llama-3.2-Vision) and modality experts.
+
+    Text: causal self-attention -> gated cross-attention to its own image -> text experts.
+    Media tokens: vision experts (they never read the text, so no caption leaks into the image side).
+    """
+
+    def __init__(self, config: VLMConfig) -> None:
+        super().__init__()
+        dim = config.text_width
+        self.self_attn_norm = nn.LayerNorm(dim, eps=config.norm_eps)
+        self.self_attn = Attention(dim, config.text_heads)
+        self.cross_attn_norm = nn.LayerNorm(dim, eps=config.norm_eps)
+        self.media_norm = nn.LayerNorm(dim, eps=config.norm_eps)
+        self.cross_attn = Attention(dim, config.text_heads)
+        # tanh gate as in Flamingo, but not zero-initialised: the decoder is trained from scratch, and a
+        # zero gate would also zero the cross-attention weights' gradients at the first step.
+        self.cross_attn_gate = nn.Parameter(torch.full((1,), 0.5))
+        self.text_ffn_norm = nn.LayerNorm(dim, eps=config.norm_eps)
+        self.media_ffn_norm = nn.LayerNorm(dim, eps=config.norm_eps)
+        self.experts = ModalityExperts(dim, config.expert_hidden, config.vision_experts, config.text_experts)
+
+    def forward(
+        self,
+        text: torch.Tensor,
+        media: torch.Tensor,
+        text_mask: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        media_mask: torch.Tensor,
+        media_has_key: torch.Tensor,
+        text_valid: torch.Tensor,
+        media_valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[RouterStats]]:
+        """``text (R, T, D)``, ``media (R, Np, D)`` -> updated ``text``, ``media`` and router stats."""
+        h = self.self_attn_norm(text)
+        text = text + self.self_attn(h, h, text_mask, rotary)
+        cross = self.cross_attn(self.cross_attn_norm(text), self.media_norm(media), media_mask)
+        text = text + torch.tanh(self.cross_attn_gate) * cross * media_has_key[..., None]
+        text_out, text_stats = self.experts(self.text_ffn_norm(text), text_valid, "text")
+        media_out, media_stats = self.experts(self.media_ffn_norm(media), media_valid, "vision")
+        return text + text_out, media + media_out, [media_stats, text_stats]
+
+
+class VisionEncoder(nn.Module):
+    """ViT over variable-resolution patch grids with factorized (row, col) position embeddings."""
+
+    def __init__(self, config: VLMConfig) -> None:
+        super().__init__()
+        width = config.vision_width
+        self.patch_embed = nn.Linear(3 * config.patch_size**2, width)
+        self.row_embed = nn.Embedding(config.max_patches_per_image, width)
+        self.col_embed = nn.Embedding(config.max_patches_per_image, width)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(width, config.vision_heads, config.mlp_ratio, config.norm_eps)
+            for _ in range(config.vision_layers)
+        )
+        self.norm = nn.LayerNorm(width, eps=config.norm_eps)
+
+    def forward(self, patches: torch.Tensor, patch_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``patches (R, Np, 3PP)``, ``patch_pos (R, Np, 2)``, ``mask (R, Np, Np)`` -> ``(R, Np, Dv)``."""
+        x = self.patch_embed(patches) + self.row_embed(patch_pos[..., 0]) + self.col_embed(patch_pos[..., 1])
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm(x)
+
+
+@dataclass
+class VLMOutput:
+    logits: torch.Tensor
+    """``(R, T, V)`` next-token logits."""
+    image_embeds: torch.Tensor
+    """``(R, S, E)`` pooled image embedding of each segment slot (garbage where there is no image)."""
+    text_embeds: torch.Tensor
+    """``(R, S, E)`` pooled caption embedding of each segment slot."""
+    logit_scale: torch.Tensor
+    """``()`` contrastive temperature, already exponentiated and clamped."""
+    router_stats: list[RouterStats] = field(default_factory=list)
+
+
+def _segment_mean(x: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Tensor:
+    """``x (R, L, D)`` averaged per segment id -> ``(R, S, D)`` (zero for empty segments)."""
+    onehot = (segment[:, None, :] == torch.arange(slots, device=segment.device)[None, :, None]).to(x.dtype)
+    return (onehot @ x) / onehot.sum(dim=-1, keepdim=True).clamp(min=1)
+
+
+class VisionLanguageModel(nn.Module):
+    def __init__(self, config: VLMConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.vision = VisionEncoder(config)
+        self.projector = nn.Sequential(
+            nn.Linear(config.vision_width, config.text_width),
+            nn.GELU(),
+            nn.Linear(config.text_width, config.text_width),
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.text_width)
+        self.unimodal_layers = nn.ModuleList(
+            TransformerBlock(config.text_width, config.text_heads, config.mlp_ratio, config.norm_eps)
+            for _ in range(config.unimodal_layers)
+        )
+        self.fusion_layers = nn.ModuleList(FusionBlock(config) for _ in range(config.fusion_layers))
+        self.text_pool_norm = nn.LayerNorm(config.text_width, eps=config.norm_eps)
+        self.image_proj = nn.Linear(config.vision_width, config.embed_dim, bias=False)
+        self.text_proj = nn.Linear(config.text_width, config.embed_dim, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # CLIP's initial temperature
+        self.norm = nn.LayerNorm(config.text_width, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.text_width, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, batch: MultimodalBatch) -> VLMOutput:
+        config = self.config
+        if batch.patches.shape[-1] != 3 * config.patch_size**2:
+            raise ValueError(
+                f"patches have {batch.patches.shape[-1]} values, the model expects 3*patch_size^2 = "
+                f"{3 * config.patch_size**2}: data and model patch_size differ"
+            )
+        slots = batch.segment_slots
+
+        # Vision: attention only inside each image.
+        vision_mask = segment_self_mask(batch.patch_segment, causal=False)
+        image_features = self.vision(batch.patches, batch.patch_pos, vision_mask)  # (R, Np, Dv)
+        image_embeds = self.image_proj(_segment_mean(image_features, batch.patch_segment, slots))
+        media = self.projector(image_features)  # (R, Np, Dt)
+
+        # Text: causal inside each caption, rotary positions restart at every caption.
+        text_mask = segment_self_mask(batch.token_segment, causal=True)
+        rotary = _rotary(
+            positions_in_segment(text_mask & (batch.token_segment[:, None, :] >= 0)),
+            config.text_width // config.text_heads,
+            config.rope_theta,
+        )
+        text = self.embed_tokens(batch.tokens)  # (R, T, Dt)
+        for layer in self.unimodal_layers:
+            text = layer(text, text_mask, rotary)
+        text_embeds = self.text_proj(_segment_mean(self.text_pool_norm(text), batch.token_segment, slots))
+
+        media_mask, media_has_key = cross_mask(batch.token_segment, batch.patch_segment)
+        text_valid, media_valid = batch.token_segment >= 0, batch.patch_segment >= 0
+        router_stats: list[RouterStats] = []
+        for layer in self.fusion_layers:
+            text, media, stats = layer(
+                text, media, text_mask, rotary, media_mask, media_has_key, text_valid, media_valid
+            )
+            router_stats.extend(stats)
+
+        logits = self.lm_head(self.norm(text))
+        logit_scale = self.logit_scale.clamp(max=math.log(100.0)).exp()
+        return VLMOutput(logits, image_embeds, text_embeds, logit_scale, router_stats)
