@@ -1,0 +1,13 @@
+"""DataModules and the data stages they are built from."""
+
+from lightning_mm.datamodules.simple import SimpleImageTextDataModule
+from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patch_grid, patchify
+
+__all__ = [
+    "PatchedSample",
+    "SimpleImageTextDataModule",
+    "TextTokenizer",
+    "collate_one_per_row",
+    "patch_grid",
+    "patchify",
+]

@@ -326,6 +326,28 @@ class FusionBlock(nn.Module):
         return text + text_out, media + media_out, [media_stats, text_stats]
 
 
+class AttentionPool(nn.Module):
+    """Pool each image's patches with a learned query (SigLIP's MAP head).
+
+    Mean pooling lets the background, most of the patches, drown the few patches that hold the
+    objects a caption talks about; a learned query can attend to them.
+    """
+
+    def __init__(self, dim: int, heads: int, eps: float) -> None:
+        super().__init__()
+        self.probe = nn.Parameter(torch.zeros(1, 1, dim))
+        self.attn = Attention(dim, heads)
+        self.norm = nn.LayerNorm(dim, eps=eps)
+
+    def forward(self, features: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Tensor:
+        """``features (R, Np, D)``, ``segment (R, Np)`` -> ``(R, S, D)`` (zero for slots without patches)."""
+        allowed = _segment_onehot(segment, slots)  # (R, S, Np)
+        has_key = allowed.any(dim=-1, keepdim=True)
+        probe = self.probe.expand(features.shape[0], slots, -1)
+        pooled = self.attn(probe, features, allowed | ~has_key)
+        return self.norm(pooled) * has_key
+
+
 class VisionEncoder(nn.Module):
     """ViT over variable-resolution patch grids with factorized (row, col) position embeddings."""
 
@@ -362,10 +384,23 @@ class VLMOutput:
     router_stats: list[RouterStats] = field(default_factory=list)
 
 
+def _segment_onehot(segment: torch.Tensor, slots: int) -> torch.Tensor:
+    """``(R, S, L)`` bool: position ``l`` of row ``r`` belongs to segment ``s``."""
+    return segment[:, None, :] == torch.arange(slots, device=segment.device)[None, :, None]
+
+
 def _segment_mean(x: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Tensor:
     """``x (R, L, D)`` averaged per segment id -> ``(R, S, D)`` (zero for empty segments)."""
-    onehot = (segment[:, None, :] == torch.arange(slots, device=segment.device)[None, :, None]).to(x.dtype)
+    onehot = _segment_onehot(segment, slots).to(x.dtype)
     return (onehot @ x) / onehot.sum(dim=-1, keepdim=True).clamp(min=1)
+
+
+def _segment_last(x: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Tensor:
+    """``x (R, L, D)`` at the last position of each segment -> ``(R, S, D)`` (position 0 for empty ones)."""
+    onehot = _segment_onehot(segment, slots)
+    positions = torch.arange(segment.shape[1], device=segment.device)
+    last = torch.where(onehot, positions, -1).amax(dim=-1).clamp(min=0)  # (R, S)
+    return x.gather(1, last[..., None].expand(-1, -1, x.shape[-1]))
 
 
 class VisionLanguageModel(nn.Module):
@@ -386,6 +421,7 @@ class VisionLanguageModel(nn.Module):
         )
         self.fusion_layers = nn.ModuleList(FusionBlock(config) for _ in range(config.fusion_layers))
         self.text_pool_norm = nn.LayerNorm(config.text_width, eps=config.norm_eps)
+        self.image_pool = AttentionPool(config.vision_width, config.vision_heads, config.norm_eps)
         self.image_proj = nn.Linear(config.vision_width, config.embed_dim, bias=False)
         self.text_proj = nn.Linear(config.text_width, config.embed_dim, bias=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # CLIP's initial temperature
@@ -414,7 +450,7 @@ class VisionLanguageModel(nn.Module):
         # Vision: attention only inside each image.
         vision_mask = segment_self_mask(batch.patch_segment, causal=False)
         image_features = self.vision(batch.patches, batch.patch_pos, vision_mask)  # (R, Np, Dv)
-        image_embeds = self.image_proj(_segment_mean(image_features, batch.patch_segment, slots))
+        image_embeds = self.image_proj(self.image_pool(image_features, batch.patch_segment, slots))
         media = self.projector(image_features)  # (R, Np, Dt)
 
         # Text: causal inside each caption, rotary positions restart at every caption.
@@ -427,7 +463,8 @@ class VisionLanguageModel(nn.Module):
         text = self.embed_tokens(batch.tokens)  # (R, T, Dt)
         for layer in self.unimodal_layers:
             text = layer(text, text_mask, rotary)
-        text_embeds = self.text_proj(_segment_mean(self.text_pool_norm(text), batch.token_segment, slots))
+        # The last token of a causal stack is the only one that has read the whole caption (CLIP's EOT).
+        text_embeds = self.text_proj(_segment_last(self.text_pool_norm(text), batch.token_segment, slots))
 
         media_mask, media_has_key = cross_mask(batch.token_segment, batch.patch_segment)
         text_valid, media_valid = batch.token_segment >= 0, batch.patch_segment >= 0

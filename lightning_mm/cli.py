@@ -1,0 +1,98 @@
+"""``lightning-mm``: LightningCLI for fit / validate / test, plus ``make-shards``.
+
+    lightning-mm fit --config examples/configs/default.yaml
+    lightning-mm make-shards --preset tiny --output-dir /tmp/shards
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+__all__ = ["VLMLightningCLI", "main", "configure_wandb_mode"]
+
+_OVERVIEW = """usage: lightning-mm {fit,validate,test,make-shards} ...
+
+Multimodal (vision-language) training with PyTorch Lightning.
+
+subcommands:
+  fit          train a model (LightningCLI; `lightning-mm fit --help` lists every option)
+  validate     run one validation pass
+  test         run one test pass
+  make-shards  write the embedded synthetic image-text dataset as WebDataset shards
+
+example:
+  lightning-mm fit --config examples/configs/default.yaml
+"""
+
+
+class VLMLightningCLI(LightningCLI):
+    """LightningCLI that links the data's tokenizer and patching to the model.
+
+    The model's vocabulary, patch size and patch cap must match the DataModule; they are taken from the
+    instantiated DataModule, so a config sets them once, under ``data``.
+    """
+
+    def add_arguments_to_parser(self, parser) -> None:
+        for attribute in ("vocab_size", "patch_size", "max_patches_per_image"):
+            parser.link_arguments(
+                "data", f"model.{attribute}", compute_fn=_attribute_getter(attribute), apply_on="instantiate"
+            )
+
+
+def _attribute_getter(attribute: str):
+    def get(datamodule):
+        if not hasattr(datamodule, attribute):
+            raise ValueError(f"data: {type(datamodule).__name__} has no `{attribute}` to give the model")
+        return getattr(datamodule, attribute)
+
+    return get
+
+
+def configure_wandb_mode(environ: dict[str, str] = os.environ) -> str:
+    """Use W&B offline unless the user configured an API key (or chose a mode with ``WANDB_MODE``).
+
+    Returns the mode in effect. A key counts as configured when ``WANDB_API_KEY`` is set or ``wandb
+    login`` stored one in the netrc file for api.wandb.ai.
+    """
+    if environ.get("WANDB_MODE"):
+        return environ["WANDB_MODE"]
+    has_key = bool(environ.get("WANDB_API_KEY"))
+    if not has_key:
+        try:
+            has_key = netrc.netrc(environ.get("NETRC")).authenticators("api.wandb.ai") is not None
+        except (FileNotFoundError, netrc.NetrcParseError, OSError):
+            has_key = False
+    mode = "online" if has_key else "offline"
+    environ["WANDB_MODE"] = mode
+    return mode
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "make-shards":
+        from lightning_mm.datamodules.synthetic import make_shards_main
+
+        raise SystemExit(make_shards_main(argv[1:]))
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_OVERVIEW)
+        raise SystemExit(0)
+    configure_wandb_mode()
+    import lightning as L
+
+    from lightning_mm.models import VLMModule
+
+    VLMLightningCLI(
+        VLMModule,
+        L.LightningDataModule,
+        subclass_mode_data=True,
+        args=argv,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""``SimpleImageTextDataModule``: WebDataset image-text shards -> fixed-size ``MultimodalBatch`` es.
+
+The baseline DataModule: one sample per row, padded to the longest in the batch (``regroup="none"`` of
+the regrouping DataModule). It reads the embedded synthetic dataset by default, generating it into the
+cache on first use, so ``lightning-mm fit`` needs no data from the user.
+
+Distributed policy (documented because DDP hangs when ranks disagree on the number of steps):
+
+* Every data-parallel rank reads the shards in the same (per-epoch shuffled) order and keeps every
+  ``world * workers``-th sample, so ranks and workers see disjoint samples. This reads each shard on
+  every rank, which is fine for local shards of a demo; the regrouping DataModule splits by shard.
+* Every rank yields the same number of full batches per epoch:
+  ``min over ranks of sum over workers of floor(samples of (rank, worker) / batch_size)``. The
+  samples that do not fill such a batch are dropped for that epoch (at most ``world * workers *
+  batch_size`` samples, counted in ``dropped_samples``); the shard order changes every epoch, so a
+  different remainder is dropped each time.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import io
+import json
+import os
+import random
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import webdataset as wds
+from braceexpand import braceexpand
+from PIL import Image
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_mm.batch import MultimodalBatch
+from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patchify
+from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
+
+__all__ = ["SimpleImageTextDataModule", "expand_urls", "count_samples"]
+
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+TEXT_KEYS = ("txt", "caption")
+
+
+def expand_urls(urls: str | list[str], argument: str) -> list[str]:
+    """Brace-expand (``train-{000000..000007}.tar``) and glob local shard paths; error names ``argument``."""
+    patterns = [urls] if isinstance(urls, str) else list(urls)
+    expanded: list[str] = []
+    for pattern in patterns:
+        for url in braceexpand(pattern):
+            matches = sorted(glob.glob(url)) if any(c in url for c in "*?[") else [url]
+            expanded.extend(matches)
+    if not expanded:
+        raise ValueError(f"{argument}: {urls!r} matches no shard")
+    missing = [u for u in expanded if not os.path.isfile(u)]
+    if missing:
+        raise FileNotFoundError(f"{argument}: shard {missing[0]!r} does not exist ({len(missing)} missing)")
+    return expanded
+
+
+def count_samples(shard: str) -> int:
+    """Samples (distinct ``__key__`` prefixes) in a local tar shard, from its headers only."""
+    keys = set()
+    try:
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                if member.isfile():
+                    keys.add(member.name.split(".", 1)[0])
+    except tarfile.TarError as err:
+        raise ValueError(f"shard {shard!r} is not a readable tar file ({err})") from err
+    return len(keys)
+
+
+def _steps_per_rank(shard_sizes: list[int], world: int, workers: int, batch_size: int) -> list[list[int]]:
+    """Batches each (rank, worker) slot yields so that every rank has the same total.
+
+    Slot ``k = rank * workers + worker`` keeps stream positions ``k, k + world*workers, ...``.
+    """
+    total = sum(shard_sizes)
+    stride = world * workers
+    full = [[len(range(r * workers + w, total, stride)) // batch_size for w in range(workers)] for r in range(world)]
+    common = min(sum(per_worker) for per_worker in full)
+    caps = []
+    for per_worker in full:
+        excess = sum(per_worker) - common
+        capped = list(per_worker)
+        for w in reversed(range(workers)):  # take surplus batches away from the last workers
+            cut = min(excess, capped[w])
+            capped[w] -= cut
+            excess -= cut
+        caps.append(capped)
+    return caps
+
+
+class _ShardStream(IterableDataset):
+    """Yields ``MultimodalBatch`` es of one split for one data-parallel rank (see module docstring)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        shard_sizes: list[int],
+        tokenizer: TextTokenizer,
+        batch_size: int,
+        patch_size: int,
+        max_patches_per_image: int,
+        max_text_tokens: int,
+        shuffle: bool,
+        shuffle_buffer: int,
+        seed: int,
+        rank: int,
+        world: int,
+        num_workers: int,
+    ) -> None:
+        self.urls, self.shard_sizes = urls, shard_sizes
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.patch_size, self.max_patches_per_image = patch_size, max_patches_per_image
+        self.max_text_tokens = max_text_tokens
+        self.shuffle, self.shuffle_buffer, self.seed = shuffle, shuffle_buffer, seed
+        self.rank, self.world, self.num_workers = rank, world, max(1, num_workers)
+        self.caps = _steps_per_rank(shard_sizes, world, self.num_workers, batch_size)
+        self.epoch = 0
+        # First dataset-wide sample id of each shard, in the canonical (unshuffled) order.
+        self.shard_offsets = dict(zip(urls, np.cumsum([0, *shard_sizes[:-1]]).tolist(), strict=True))
+
+    def __len__(self) -> int:
+        return sum(self.caps[self.rank])
+
+    @property
+    def dropped_samples(self) -> int:
+        """Samples per epoch that no rank uses (the equal-steps remainder)."""
+        return sum(self.shard_sizes) - sum(map(sum, self.caps)) * self.batch_size
+
+    def _shard_order(self) -> list[str]:
+        if not self.shuffle:
+            return list(self.urls)
+        order = list(self.urls)
+        random.Random(f"{self.seed}-{self.epoch}-shards").shuffle(order)
+        return order
+
+    def _keep_slot(self, samples: Iterator[dict], slot: int) -> Iterator[dict]:
+        """Keep stream positions ``slot, slot + stride, ...``; attach the dataset-wide sample id."""
+        stride = self.world * self.num_workers
+        position, current_url, index_in_shard = 0, None, 0
+        for sample in samples:
+            url = sample["__url__"]
+            if url != current_url:
+                current_url, index_in_shard = url, 0
+            if position % stride == slot:
+                sample["__sample_id__"] = self.shard_offsets[url] + index_in_shard
+                yield sample
+            position += 1
+            index_in_shard += 1
+
+    def _to_patched(self, sample: dict[str, Any]) -> PatchedSample:
+        where = f"shard {sample.get('__url__')!r}, key {sample.get('__key__')!r}"
+        image_key = next((k for k in IMAGE_KEYS if k in sample), None)
+        text = next((sample[k] for k in TEXT_KEYS if k in sample), None)
+        if text is None and "json" in sample:
+            text = json.loads(sample["json"]).get("caption")
+        if text is None:
+            raise ValueError(f"{where}: no caption (looked for {list(TEXT_KEYS)} and json['caption'])")
+        text = text.decode("utf-8") if isinstance(text, bytes) else text
+        if image_key is None:  # a missing image is a legal sample: captioning without vision
+            patches = torch.zeros(0, 3 * self.patch_size**2)
+            positions = torch.zeros(0, 2, dtype=torch.long)
+        else:
+            try:
+                image = Image.open(io.BytesIO(sample[image_key]))
+                image.load()
+            except Exception as err:
+                raise ValueError(f"{where}: cannot decode {image_key!r} ({err})") from err
+            patches, positions = patchify(image, self.patch_size, self.max_patches_per_image)
+        tokens = self.tokenizer.encode(text, self.max_text_tokens)
+        return PatchedSample(sample["__sample_id__"], patches, positions, tokens)
+
+    def _shuffle(self, samples: Iterator[PatchedSample], rng: random.Random) -> Iterator[PatchedSample]:
+        buffer: list[PatchedSample] = []
+        for sample in samples:
+            buffer.append(sample)
+            if len(buffer) >= self.shuffle_buffer:
+                yield buffer.pop(rng.randrange(len(buffer)))
+        rng.shuffle(buffer)
+        yield from buffer
+
+    def __iter__(self) -> Iterator[MultimodalBatch]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        if info is not None and info.num_workers != self.num_workers:
+            raise RuntimeError(f"dataset built for {self.num_workers} workers runs in {info.num_workers}")
+        slot = self.rank * self.num_workers + worker
+        stages = [
+            wds.SimpleShardList(self._shard_order()),
+            wds.tarfile_to_samples(),
+            functools.partial(self._keep_slot, slot=slot),
+            wds.map(self._to_patched),
+        ]
+        if self.shuffle:
+            # String seeds are hashed with SHA-512 by random.Random: identical in every process
+            # (unlike hash(), which PYTHONHASHSEED randomises per process).
+            rng = random.Random(f"{self.seed}-{self.epoch}-{slot}")
+            stages.append(functools.partial(self._shuffle, rng=rng))
+        stages.append(wds.batched(self.batch_size, collation_fn=self._collate, partial=False))
+        pipeline = wds.DataPipeline(*stages)
+        cap = self.caps[self.rank][worker]
+        for step, batch in enumerate(pipeline):
+            if step >= cap:
+                break
+            yield batch
+
+    def _collate(self, samples: list[PatchedSample]) -> MultimodalBatch:
+        return collate_one_per_row(samples, self.tokenizer.pad_id)
+
+
+class _EpochAwareLoader(DataLoader):
+    """DataLoader that tells its dataset the current epoch before each pass.
+
+    Lightning calls ``set_epoch`` only on a DataLoader's *sampler*, and an IterableDataset loader has
+    none; setting the epoch on the dataset before workers are forked makes each epoch's order differ.
+    """
+
+    def __init__(self, dataset: _ShardStream, epoch_fn, **kwargs) -> None:
+        super().__init__(dataset, batch_size=None, **kwargs)
+        self._epoch_fn = epoch_fn
+
+    def __iter__(self):
+        self.dataset.epoch = self._epoch_fn()
+        return super().__iter__()
+
+
+class SimpleImageTextDataModule(L.LightningDataModule):
+    """Fixed-size batches from WebDataset image-text shards.
+
+    Args:
+        train_urls: training shards (local paths; brace patterns and globs allowed). None: the embedded
+            synthetic dataset (see ``data_dir``).
+        val_urls: validation shards; required when ``train_urls`` is given.
+        tokenizer: path to an HF ``tokenizer.json``; required when ``train_urls`` is given.
+        data_dir: directory of a dataset written by ``lightning-mm make-shards`` (with manifest.json).
+            None: the cache directory of ``synthetic_preset``, generated on first use.
+        synthetic_preset: which embedded dataset to generate when ``data_dir`` and ``train_urls`` are None.
+        batch_size: samples per training batch (per data-parallel rank).
+        val_batch_size: samples per validation batch; None: ``batch_size``.
+        patch_size: patch side in pixels.
+        max_patches_per_image: cap on patches per image (images are resized to fit, aspect kept).
+        max_text_tokens: cap on caption tokens including BOS / EOS (longer captions are cut).
+        shuffle_buffer: samples in the training shuffle buffer of each worker.
+        num_workers: DataLoader worker processes.
+        seed: seed of shard order and shuffling (epoch-dependent).
+    """
+
+    def __init__(
+        self,
+        train_urls: str | list[str] | None = None,
+        val_urls: str | list[str] | None = None,
+        tokenizer: str | None = None,
+        data_dir: str | None = None,
+        synthetic_preset: str = "default",
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        patch_size: int = 16,
+        max_patches_per_image: int = 64,
+        max_text_tokens: int = 64,
+        shuffle_buffer: int = 256,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (
+            ("batch_size", batch_size, 1), ("patch_size", patch_size, 1),
+            ("max_patches_per_image", max_patches_per_image, 1), ("max_text_tokens", max_text_tokens, 2),
+            ("shuffle_buffer", shuffle_buffer, 1), ("num_workers", num_workers, 0),
+        ):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if val_batch_size is not None and val_batch_size < 1:
+            raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
+        if train_urls is not None and (val_urls is None or tokenizer is None):
+            raise ValueError("with train_urls, also give val_urls and tokenizer (path to an HF tokenizer.json)")
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.patch_size = patch_size
+        self.max_patches_per_image = max_patches_per_image
+        self.max_text_tokens = max_text_tokens
+        self._splits: dict[str, tuple[list[str], list[int]]] | None = None
+        self._tokenizer: TextTokenizer | None = None
+
+    # --------------------------------------------------------------------------------- data location
+
+    def _resolve(self) -> None:
+        if self._splits is not None:
+            return
+        hp = self.hparams
+        if hp.train_urls is not None:
+            splits = {}
+            for split, urls in (("train", hp.train_urls), ("val", hp.val_urls)):
+                shards = expand_urls(urls, f"{split}_urls")
+                splits[split] = (shards, [count_samples(s) for s in shards])
+            tokenizer_path = hp.tokenizer
+        else:
+            root = Path(hp.data_dir) if hp.data_dir else ensure_synthetic_shards(hp.synthetic_preset)
+            manifest_path = root / "manifest.json"
+            if not manifest_path.is_file():
+                raise FileNotFoundError(f"data_dir: no manifest.json in {str(root)!r} (write one with "
+                                        "`lightning-mm make-shards --output-dir ...`)")
+            manifest = json.loads(manifest_path.read_text())
+            splits = {
+                split: ([str(root / s) for s in manifest["splits"][split]["shards"]],
+                        list(manifest["splits"][split]["samples_per_shard"]))
+                for split in ("train", "val")
+            }
+            tokenizer_path = hp.tokenizer or str(root / manifest["tokenizer"])
+        self._tokenizer = TextTokenizer(tokenizer_path)
+        self._splits = splits
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        self._resolve()
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer (the model's embedding table must be this large)."""
+        return self.tokenizer.vocab_size
+
+    def prepare_data(self) -> None:
+        self._resolve()
+
+    # --------------------------------------------------------------------------------- loaders
+
+    def _data_parallel_rank_and_size(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        strategy = trainer.strategy
+        # A mesh-aware strategy (HybridParallelStrategy) gives the data-parallel coordinates; ranks that
+        # differ only in model-parallel axes must receive identical batches.
+        if hasattr(strategy, "data_parallel_rank") and hasattr(strategy, "data_parallel_size"):
+            return strategy.data_parallel_rank, strategy.data_parallel_size
+        return trainer.global_rank, trainer.world_size
+
+    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
+        self._resolve()
+        urls, sizes = self._splits[split]
+        rank, world = self._data_parallel_rank_and_size()
+        hp = self.hparams
+        dataset = _ShardStream(
+            urls, sizes, self._tokenizer, batch_size, self.patch_size, self.max_patches_per_image,
+            self.max_text_tokens, shuffle, hp.shuffle_buffer, hp.seed, rank, world, hp.num_workers,
+        )
+        if len(dataset) == 0:
+            raise ValueError(
+                f"{split}: {sum(sizes)} samples give no full batch of {batch_size} per rank on {world} "
+                f"data-parallel rank(s) x {max(1, hp.num_workers)} worker(s); lower the batch size or workers"
+            )
+        return _EpochAwareLoader(dataset, self._current_epoch, num_workers=hp.num_workers)
+
+    def _current_epoch(self) -> int:
+        return self.trainer.current_epoch if self.trainer is not None else 0
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", self.val_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("val", self.val_batch_size, shuffle=False)
