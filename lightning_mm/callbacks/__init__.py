@@ -1,0 +1,1 @@
+"""Lightning callbacks, one concern per file (compression, consistency checks, guards, statistics)."""

@@ -1,0 +1,2 @@
+"""Plain torch.distributed building blocks (no Lightning imports): collectives now; mesh, plans, FSDP,
+pipeline, experts and compression as the strategy issues land."""

@@ -1,0 +1,1 @@
+"""Lightning strategies over ``lightning_mm.parallel`` (HybridParallelStrategy lands with its issue)."""
