@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,11 +59,15 @@ def test_wandb_is_offline_without_api_key(tmp_path):
     assert configure_wandb_mode({"WANDB_MODE": "disabled"}) == "disabled"
 
 
-def test_fit_tiny_end_to_end_logs_to_offline_wandb(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    main(["fit", "--config", str(REPO / "examples/configs/tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
-          f"--trainer.logger.init_args.save_dir={tmp_path}"])
+def test_fit_tiny_end_to_end_logs_to_offline_wandb(tmp_path):
+    # A real process, as a user runs it: W&B writes its run file completely only at process exit.
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    env["NETRC"] = str(tmp_path / "no-netrc")  # no key configured -> the CLI must choose offline
+    subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(REPO / "examples/configs/tiny.yaml"),
+         f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"],
+        cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300,
+    )
     runs = find_offline_runs(tmp_path)
     assert len(runs) == 1
     history = read_offline_history(runs[0])
