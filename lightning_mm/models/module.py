@@ -16,6 +16,7 @@ from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
 from lightning_mm.models.losses import VLMLosses, compute_losses
 from lightning_mm.models.metrics import ImageTextRecallAtK
 from lightning_mm.models.vlm import VisionLanguageModel, build_config
+from lightning_mm.parallel.collectives import group_size
 
 __all__ = ["VLMModule"]
 
@@ -126,8 +127,8 @@ class VLMModule(L.LightningModule):
         self._log_losses("train", losses, batch.num_samples, on_step=True)
         now = time.perf_counter()
         if self._last_step_end is not None:
-            # Wall time between consecutive steps (data loading included), global samples.
-            samples = batch.num_samples * self.trainer.world_size
+            # Wall time between consecutive steps (data loading included), samples of all data-parallel ranks.
+            samples = batch.num_samples * group_size(self.data_parallel_group())
             self.log("samples_per_sec", samples / max(now - self._last_step_end, 1e-9), prog_bar=True,
                      on_step=True, batch_size=batch.num_samples)
         self._last_step_end = now
