@@ -25,7 +25,7 @@ import json
 import os
 import random
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +41,17 @@ from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patchify
 from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
 
-__all__ = ["SimpleImageTextDataModule", "expand_urls", "count_samples"]
+__all__ = ["EpochAwareLoader", "SimpleImageTextDataModule", "count_samples", "expand_urls"]
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 TEXT_KEYS = ("txt", "caption")
 
 
-def expand_urls(urls: str | list[str], argument: str) -> list[str]:
-    """Brace-expand (``train-{000000..000007}.tar``) and glob local shard paths; error names ``argument``."""
+def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -> list[str]:
+    """Brace-expand (``train-{000000..000007}.tar``) and glob local shard paths; error names ``argument``.
+
+    With ``must_exist=False`` missing paths are returned too, for a caller whose error policy decides.
+    """
     patterns = [urls] if isinstance(urls, str) else list(urls)
     expanded: list[str] = []
     for pattern in patterns:
@@ -58,7 +61,7 @@ def expand_urls(urls: str | list[str], argument: str) -> list[str]:
     if not expanded:
         raise ValueError(f"{argument}: {urls!r} matches no shard")
     missing = [u for u in expanded if not os.path.isfile(u)]
-    if missing:
+    if missing and must_exist:
         raise FileNotFoundError(f"{argument}: shard {missing[0]!r} does not exist ({len(missing)} missing)")
     return expanded
 
@@ -135,6 +138,9 @@ class _ShardStream(IterableDataset):
     def dropped_samples(self) -> int:
         """Samples per epoch that no rank uses (the equal-steps remainder)."""
         return sum(self.shard_sizes) - sum(map(sum, self.caps)) * self.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def _shard_order(self) -> list[str]:
         if not self.shuffle:
@@ -217,19 +223,22 @@ class _ShardStream(IterableDataset):
         return collate_one_per_row(samples, self.tokenizer.pad_id)
 
 
-class _EpochAwareLoader(DataLoader):
-    """DataLoader that tells its dataset the current epoch before each pass.
+class EpochAwareLoader(DataLoader):
+    """DataLoader that tells its (batch-yielding) dataset the epoch before each pass.
 
     Lightning calls ``set_epoch`` only on a DataLoader's *sampler*, and an IterableDataset loader has
-    none; setting the epoch on the dataset before workers are forked makes each epoch's order differ.
+    none. ``epoch_fn()`` returns the epoch, or a tuple of ``dataset.set_epoch`` arguments; it is applied
+    before the workers are started (they receive a copy of the dataset), so each epoch's order differs.
+    Persistent workers would keep their first copy, hence they are not offered.
     """
 
-    def __init__(self, dataset: _ShardStream, epoch_fn, **kwargs) -> None:
-        super().__init__(dataset, batch_size=None, **kwargs)
+    def __init__(self, dataset: IterableDataset, epoch_fn: Callable[[], Any], num_workers: int = 0) -> None:
+        super().__init__(dataset, batch_size=None, num_workers=num_workers)
         self._epoch_fn = epoch_fn
 
     def __iter__(self):
-        self.dataset.epoch = self._epoch_fn()
+        state = self._epoch_fn()
+        self.dataset.set_epoch(*(state if isinstance(state, tuple) else (state,)))
         return super().__iter__()
 
 
@@ -359,7 +368,7 @@ class SimpleImageTextDataModule(L.LightningDataModule):
                 f"{split}: {sum(sizes)} samples give no full batch of {batch_size} per rank on {world} "
                 f"data-parallel rank(s) x {max(1, hp.num_workers)} worker(s); lower the batch size or workers"
             )
-        return _EpochAwareLoader(dataset, self._current_epoch, num_workers=hp.num_workers)
+        return EpochAwareLoader(dataset, self._current_epoch, num_workers=hp.num_workers)
 
     def _current_epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer is not None else 0

@@ -11,7 +11,7 @@ import pytest
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_mm.cli import VLMLightningCLI, configure_wandb_mode, main
-from lightning_mm.datamodules import SimpleImageTextDataModule
+from lightning_mm.datamodules import ImageTextWebDataModule, SimpleImageTextDataModule
 from lightning_mm.models import VLMModule
 from lightning_mm.wandb_offline import find_offline_runs, metric_series, read_offline_history
 
@@ -20,7 +20,7 @@ CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 
 
 def test_configs_exist():
-    assert {p.name for p in CONFIGS} >= {"default.yaml", "tiny.yaml"}
+    assert {p.name for p in CONFIGS} >= {"default.yaml", "tiny.yaml", "tiny_fixed_batches.yaml"}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -38,7 +38,9 @@ def test_every_config_parses_and_instantiates(config, tmp_path):
         args=["--config", str(config), "--data.init_args.synthetic_preset=tiny",
               f"--trainer.default_root_dir={tmp_path}"],
     )
-    assert isinstance(cli.model, VLMModule) and isinstance(cli.datamodule, SimpleImageTextDataModule)
+    assert isinstance(cli.model, VLMModule)
+    assert isinstance(cli.datamodule, (SimpleImageTextDataModule, ImageTextWebDataModule))
+    assert cli.datamodule.hparams.get("regroup", "none") == raw["data"]["init_args"].get("regroup", "none")
     assert cli.model.hparams.preset == raw["model"]["preset"]
     assert cli.trainer.max_steps == raw["trainer"]["max_steps"]
     # Linked from the data: the model's tables match the tokenizer and the patching.
@@ -72,7 +74,7 @@ def test_fit_tiny_end_to_end_logs_to_offline_wandb(tmp_path):
     assert len(runs) == 1
     history = read_offline_history(runs[0])
     for key in ("train/loss", "train/caption_loss", "samples_per_sec", "val/loss", "val/recall_at_1",
-                "val/token_accuracy", "val/perplexity"):
+                "val/token_accuracy", "val/perplexity", "data/padding_pct", "data/real_tokens"):
         assert metric_series(history, key), key
     assert len(metric_series(history, "train/loss")) == 6  # log_every_n_steps: 1, max_steps: 6
     assert len(metric_series(history, "val/recall_at_1")) == 2  # val_check_interval: 3

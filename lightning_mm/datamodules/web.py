@@ -1,0 +1,438 @@
+"""``ImageTextWebDataModule``: WebDataset image-text shards -> regrouped ``MultimodalBatch`` es.
+
+Plain webdataset pipelines stream samples in whatever order the shards give them, which makes three
+things impossible: equal step counts on every data-parallel rank (webdataset #188, #225), each sample
+exactly once per epoch (#25) and exact mid-epoch resume (#234, #271). This DataModule plans instead of
+streaming:
+
+1. **Index** (once, in the main process): every local shard is read once for sample keys, file offsets,
+   image sizes (header only) and captions (``decode.index_shard``), under the shared bad-input policy.
+   Patch counts follow from the image sizes (``patch_grid``), token counts from the tokenizer, so the
+   cost of every sample is known before any pixel is decoded.
+2. **Plan** (per epoch, identical on every rank): shuffle all samples with ``(seed, epoch)``, regroup
+   them with the ``regroup`` stages on their lengths only (``none``: fixed ``batch_size``; ``bucket``;
+   ``pack``), then deal the global batches round-robin to the data-parallel ranks: rank ``r`` gets
+   batches ``r, r + W, r + 2W, ...``. The last ``len % W`` global batches are dropped so every rank has
+   the same number of steps; together with what regrouping leaves over (a last partial pack batch),
+   that is the documented remainder, counted in ``epoch_stats``. Every other sample is used exactly
+   once per epoch, which ``sample_ids`` make checkable.
+3. **Load** (in DataLoader workers): worker ``w`` of a rank loads the rank's planned batches
+   ``w, w + workers, ...`` by seeking into the shards, decodes, patchifies, tokenizes and collates
+   them. PyTorch's DataLoader returns worker outputs round-robin, so the batch order is the plan's
+   order for any ``num_workers``.
+
+Resume: the DataModule counts the training batches handed to the model (``on_before_batch_transfer``)
+and saves ``(epoch, batches consumed)`` in Lightning checkpoints (``state_dict``). After
+``Trainer.fit(ckpt_path=...)`` the epoch's plan is rebuilt (it is a pure function of seed and epoch)
+and the consumed batches are skipped without being read.
+
+Ranks that differ only in tensor / pipeline / expert coordinates receive identical batches: the plan
+depends on the data-parallel rank and size only, taken from the strategy's mesh when it has one.
+
+Remote URLs (``pipe:``, ``http://``, ``s3://``) are not supported: planning needs random access.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lightning_mm.batch import IGNORE_INDEX, PAD_SEGMENT, MultimodalBatch
+from lightning_mm.datamodules.decode import (
+    IMAGE_KEYS,
+    TEXT_KEYS,
+    ErrorLog,
+    SampleRecord,
+    index_shard,
+    load_rgb_image,
+    read_sample_files,
+)
+from lightning_mm.datamodules.regroup import bucket_batches, collate_packed, pack_rows
+from lightning_mm.datamodules.simple import EpochAwareLoader, expand_urls
+from lightning_mm.datamodules.stages import (
+    PatchedSample,
+    TextTokenizer,
+    collate_one_per_row,
+    patch_grid,
+    patchify,
+)
+from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
+
+__all__ = ["ImageTextWebDataModule", "EpochPlan"]
+
+Regroup = Literal["none", "bucket", "pack"]
+
+
+@dataclasses.dataclass
+class EpochPlan:
+    """The batches of one epoch for one data-parallel rank, as indices into the split's records."""
+
+    batches: list[list[list[int]]]
+    """``batches[i][row]`` = record indices of row ``row`` of batch ``i`` (one sample per row unless packing)."""
+    max_segments_per_row: int
+    """Most samples in any row of the *global* plan (constant shapes for packed batches)."""
+    planned_samples: int
+    """Samples in the split before regrouping."""
+    used_samples: int
+    """Samples in the batches of all data-parallel ranks."""
+
+    @property
+    def dropped_samples(self) -> int:
+        return self.planned_samples - self.used_samples
+
+
+def _stand_in(index: int, num_patches: int, num_tokens: int) -> PatchedSample:
+    """A sample with the right lengths and no data, for planning (the regroup stages read only lengths)."""
+    return PatchedSample(index, torch.empty(num_patches, 0), torch.empty(num_patches, 2), torch.empty(num_tokens))
+
+
+class _PlannedSplit(IterableDataset):
+    """Plans and loads one split for one data-parallel rank (see the module docstring)."""
+
+    def __init__(self, records: list[SampleRecord], lengths: list[tuple[int, int]], owner: ImageTextWebDataModule,
+                 shuffle: bool, rank: int, world: int) -> None:
+        self.records, self.lengths = records, lengths
+        self.tokenizer = owner.tokenizer
+        self.config = owner.regroup_config()
+        self.shuffle, self.rank, self.world = shuffle, rank, world
+        self.on_error = owner.hparams.on_error
+        self.epoch, self.skip = 0, 0
+        self._plans: dict[int, EpochPlan] = {}
+
+    # ----------------------------------------------------------------------------------- planning
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skip = epoch, skip
+
+    def plan(self, epoch: int) -> EpochPlan:
+        if epoch not in self._plans:
+            self._plans = {epoch: self._make_plan(epoch)}  # keep one: plans of big datasets are big
+        return self._plans[epoch]
+
+    def _make_plan(self, epoch: int) -> EpochPlan:
+        cfg = self.config
+        order = list(range(len(self.records)))
+        # String seeds hash with SHA-512 in random.Random: the same plan in every process.
+        rng = random.Random(f"{cfg['seed']}-{epoch}-plan")
+        if self.shuffle:
+            rng.shuffle(order)
+        samples = (_stand_in(i, *self.lengths[i]) for i in order)
+        if cfg["regroup"] == "none":
+            batches = [[[i] for i in order[s : s + cfg["batch_size"]]]
+                       for s in range(0, len(order) - cfg["batch_size"] + 1, cfg["batch_size"])]
+        elif cfg["regroup"] == "bucket":
+            batches = [[[s.sample_id] for s in batch] for batch in bucket_batches(
+                samples, cfg["max_patches_per_batch"], cfg["max_tokens_per_batch"], cfg["buffer_size"], rng)]
+        else:
+            batches = [[[s.sample_id for s in row] for row in batch] for batch in pack_rows(
+                samples, cfg["max_patches_per_row"], cfg["max_tokens_per_row"], cfg["rows_per_batch"],
+                cfg["buffer_size"], rng)]
+        usable = len(batches) - len(batches) % self.world
+        mine = batches[self.rank : usable : self.world]
+        used = sum(len(row) for batch in batches[:usable] for row in batch)
+        segments = max((len(row) for batch in batches for row in batch), default=1)
+        return EpochPlan(mine, segments, len(order), used)
+
+    def __len__(self) -> int:
+        # The whole epoch, also when resuming: Lightning restores how many batches it has consumed and
+        # counts the skipped ones as done; a shorter length would also cut the *next* epoch short.
+        return len(self.plan(self.epoch).batches)
+
+    # ----------------------------------------------------------------------------------- loading
+
+    def __iter__(self) -> Iterator[MultimodalBatch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        plan = self.plan(self.epoch)
+        errors = ErrorLog(self.on_error)
+        for position in range(self.skip + worker, len(plan.batches), workers):
+            batch = self._load(plan.batches[position], plan.max_segments_per_row, errors)
+            # Counts travel with the batch to the main process (read in on_before_batch_transfer).
+            batch.data_errors = {kind: count for kind, count in errors.counts.items() if count}
+            errors.counts = dict.fromkeys(errors.counts, 0)
+            yield batch
+
+    def _load_sample(self, index: int, errors: ErrorLog) -> PatchedSample | None:
+        record = self.records[index]
+        cfg = self.config
+        files = read_sample_files(record)
+        if record.image_key is None:
+            patches, positions = torch.zeros(0, 3 * cfg["patch_size"] ** 2), torch.zeros(0, 2, dtype=torch.long)
+        else:
+            image = load_rgb_image(files[record.image_key], record.url, record.key, errors)
+            if image is None:  # corrupt body behind a valid header: skipped and counted
+                return None
+            patches, positions = patchify(image, cfg["patch_size"], cfg["max_patches_per_image"])
+        tokens = self.tokenizer.encode(record.caption, cfg["max_text_tokens"])
+        return PatchedSample(index, patches, positions, tokens)
+
+    def _load(self, rows: list[list[int]], segments: int, errors: ErrorLog) -> MultimodalBatch:
+        cfg = self.config
+        loaded = [[s for s in (self._load_sample(i, errors) for i in row) if s is not None] for row in rows]
+        loaded = [row for row in loaded if row]
+        if cfg["regroup"] == "pack":
+            if not loaded:
+                return _all_padding(cfg["rows_per_batch"], cfg["max_patches_per_row"], cfg["max_tokens_per_row"],
+                                    segments, cfg["patch_size"], self.tokenizer.pad_id)
+            return collate_packed(loaded, cfg["max_patches_per_row"], cfg["max_tokens_per_row"], self.tokenizer.pad_id,
+                                  max_segments_per_row=segments, rows_per_batch=cfg["rows_per_batch"])
+        if not loaded:
+            return _all_padding(1, 1, 2, 1, cfg["patch_size"], self.tokenizer.pad_id)
+        return collate_one_per_row([row[0] for row in loaded], self.tokenizer.pad_id)
+
+
+def _all_padding(rows: int, patches: int, tokens: int, segments: int, patch_size: int, pad_id: int) -> MultimodalBatch:
+    """A batch with no sample, kept so every rank still takes its step when all planned samples were bad."""
+    return MultimodalBatch(
+        patches=torch.zeros(rows, patches, 3 * patch_size**2),
+        patch_pos=torch.zeros(rows, patches, 2, dtype=torch.long),
+        patch_segment=torch.full((rows, patches), PAD_SEGMENT, dtype=torch.long),
+        tokens=torch.full((rows, tokens), pad_id, dtype=torch.long),
+        token_segment=torch.full((rows, tokens), PAD_SEGMENT, dtype=torch.long),
+        labels=torch.full((rows, tokens), IGNORE_INDEX, dtype=torch.long),
+        sample_ids=torch.full((rows, segments), -1, dtype=torch.long),
+        has_image=torch.zeros(rows, segments, dtype=torch.bool),
+    )
+
+
+class ImageTextWebDataModule(L.LightningDataModule):
+    """Image-text WebDataset shards with alignment-aware regrouping, equal steps per rank and exact resume.
+
+    Args:
+        train_urls: training shards: local paths, brace patterns (``shards/train-{000000..000127}.tar``) or
+            globs. None: the embedded synthetic dataset (see ``data_dir``).
+        val_urls: validation shards; required with ``train_urls``.
+        tokenizer: path to an HF ``tokenizer.json``; required with ``train_urls``.
+        data_dir: a dataset written by ``lightning-mm make-shards`` (manifest.json). None: the cache
+            directory of ``synthetic_preset``, generated on first use.
+        synthetic_preset: embedded dataset generated when neither ``train_urls`` nor ``data_dir`` is given.
+        patch_size: patch side in pixels.
+        max_patches_per_image: cap on patches per image (larger images are downscaled, aspect kept).
+        max_text_tokens: cap on caption tokens including BOS/EOS (longer captions are cut, counted).
+        regroup: ``none`` (fixed ``batch_size``, padded to the longest), ``bucket`` (similar lengths
+            together, variable batch size under both budgets) or ``pack`` (several samples per row,
+            constant shapes ``rows_per_batch x budget / rows_per_batch``).
+        batch_size: samples per batch with ``regroup="none"``.
+        max_patches_per_batch: patch budget per batch (``bucket``, ``pack``), padding included.
+        max_tokens_per_batch: token budget per batch (``bucket``, ``pack``), padding included.
+        rows_per_batch: rows of a packed batch; each row holds up to ``budget / rows_per_batch``.
+        buffer_size: samples regrouped together (bigger: less padding, batches drawn from a wider window).
+        seed: seed of the plan (shuffle and regrouping); the plan changes every epoch.
+        num_workers: DataLoader worker processes per rank.
+        image_keys: sample keys holding the image, first present wins.
+        text_keys: sample keys holding the caption (then ``json["caption"]``).
+        on_error: ``skip`` (drop bad samples / the damaged rest of a shard, count each kind, log the
+            counts) or ``raise`` (an exception naming the kind, shard URL and sample key).
+        val_batch_size: samples per validation batch with ``regroup="none"``; None: ``batch_size``.
+    """
+
+    def __init__(
+        self,
+        train_urls: str | list[str] | None = None,
+        val_urls: str | list[str] | None = None,
+        tokenizer: str | None = None,
+        data_dir: str | None = None,
+        synthetic_preset: str = "default",
+        patch_size: int = 16,
+        max_patches_per_image: int = 64,
+        max_text_tokens: int = 64,
+        regroup: Regroup = "pack",
+        batch_size: int = 32,
+        max_patches_per_batch: int = 2048,
+        max_tokens_per_batch: int = 2048,
+        rows_per_batch: int = 8,
+        buffer_size: int = 1000,
+        seed: int = 0,
+        num_workers: int = 0,
+        image_keys: list[str] | None = None,
+        text_keys: list[str] | None = None,
+        on_error: Literal["skip", "raise"] = "skip",
+        val_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if regroup not in ("none", "bucket", "pack"):
+            raise ValueError(f"regroup must be one of 'none', 'bucket', 'pack', got {regroup!r}")
+        if on_error not in ("skip", "raise"):
+            raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
+        for name, value, low in (
+            ("patch_size", patch_size, 1), ("max_patches_per_image", max_patches_per_image, 1),
+            ("max_text_tokens", max_text_tokens, 2), ("batch_size", batch_size, 1),
+            ("max_patches_per_batch", max_patches_per_batch, 1), ("max_tokens_per_batch", max_tokens_per_batch, 1),
+            ("rows_per_batch", rows_per_batch, 1), ("buffer_size", buffer_size, 1), ("num_workers", num_workers, 0),
+        ):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if regroup == "pack":
+            row_patches, row_tokens = max_patches_per_batch // rows_per_batch, max_tokens_per_batch // rows_per_batch
+            if row_patches < max_patches_per_image:
+                raise ValueError(f"max_patches_per_batch / rows_per_batch = {row_patches} must be >= "
+                                 f"max_patches_per_image = {max_patches_per_image}, or the largest image fits no row")
+            if row_tokens < max_text_tokens:
+                raise ValueError(f"max_tokens_per_batch / rows_per_batch = {row_tokens} must be >= "
+                                 f"max_text_tokens = {max_text_tokens}, or the longest caption fits no row")
+        elif regroup == "bucket":
+            if max_patches_per_batch < max_patches_per_image:
+                raise ValueError(f"max_patches_per_batch = {max_patches_per_batch} must be >= max_patches_per_image"
+                                 f" = {max_patches_per_image}")
+            if max_tokens_per_batch < max_text_tokens:
+                raise ValueError(f"max_tokens_per_batch = {max_tokens_per_batch} must be >= max_text_tokens"
+                                 f" = {max_text_tokens}")
+        if train_urls is not None and (val_urls is None or tokenizer is None):
+            raise ValueError("with train_urls, also give val_urls and tokenizer (path to an HF tokenizer.json)")
+        self.save_hyperparameters()
+        self.patch_size = patch_size
+        self.max_patches_per_image = max_patches_per_image
+        self.error_log = ErrorLog(on_error)
+        self._tokenizer: TextTokenizer | None = None
+        self._splits: dict[str, tuple[list[SampleRecord], list[tuple[int, int]]]] = {}
+        self._consumed = {"epoch": 0, "batches": 0}
+        self._resume: dict[str, int] | None = None
+
+    def regroup_config(self) -> dict[str, Any]:
+        hp = self.hparams
+        return {
+            "regroup": hp.regroup, "batch_size": hp.batch_size, "seed": hp.seed, "buffer_size": hp.buffer_size,
+            "max_patches_per_batch": hp.max_patches_per_batch, "max_tokens_per_batch": hp.max_tokens_per_batch,
+            "rows_per_batch": hp.rows_per_batch, "max_patches_per_row": hp.max_patches_per_batch // hp.rows_per_batch,
+            "max_tokens_per_row": hp.max_tokens_per_batch // hp.rows_per_batch, "patch_size": hp.patch_size,
+            "max_patches_per_image": hp.max_patches_per_image, "max_text_tokens": hp.max_text_tokens,
+        }
+
+    # ------------------------------------------------------------------------------------ indexing
+
+    def _sources(self) -> tuple[dict[str, list[str]], str]:
+        hp = self.hparams
+        if hp.train_urls is not None:
+            urls = {"train": hp.train_urls, "val": hp.val_urls}
+            for split, value in urls.items():
+                for url in [value] if isinstance(value, str) else value:
+                    if "://" in url or url.startswith("pipe:"):
+                        raise ValueError(f"{split}_urls: {url!r} is remote; ImageTextWebDataModule plans batches "
+                                         "from an index and needs local (or mounted) shards")
+            return {split: expand_urls(value, f"{split}_urls", must_exist=False) for split, value in urls.items()}, \
+                hp.tokenizer
+        root = Path(hp.data_dir) if hp.data_dir else ensure_synthetic_shards(hp.synthetic_preset)
+        manifest_path = root / "manifest.json"
+        if not manifest_path.is_file():
+            raise FileNotFoundError(f"data_dir: no manifest.json in {str(root)!r} (write one with "
+                                    "`lightning-mm make-shards --output-dir ...`)")
+        manifest = json.loads(manifest_path.read_text())
+        shards = {split: [str(root / s) for s in manifest["splits"][split]["shards"]] for split in ("train", "val")}
+        return shards, hp.tokenizer or str(root / manifest["tokenizer"])
+
+    def _index(self, split: str) -> tuple[list[SampleRecord], list[tuple[int, int]]]:
+        if split in self._splits:
+            return self._splits[split]
+        shards, _ = self._sources()
+        hp = self.hparams
+        image_keys = tuple(hp.image_keys or IMAGE_KEYS)
+        text_keys = tuple(hp.text_keys or TEXT_KEYS)
+        records = [r for url in shards[split] for r in index_shard(url, self.error_log, image_keys, text_keys)]
+        if not records:
+            raise ValueError(f"{split}_urls: no valid sample in {len(shards[split])} shard(s); "
+                             f"error counts: {self.error_log.counts}")
+        lengths = []
+        tokenizer = self.tokenizer
+        encoded = tokenizer.tokenizer.encode_batch([r.caption for r in records], add_special_tokens=False)
+        for record, encoding in zip(records, encoded, strict=True):
+            rows, cols = (patch_grid(record.height, record.width, hp.patch_size, hp.max_patches_per_image)
+                          if record.image_key is not None else (0, 0))
+            if len(encoding.ids) + 2 > hp.max_text_tokens:
+                self.error_log.notice("caption_truncated")
+            lengths.append((rows * cols, min(len(encoding.ids) + 2, hp.max_text_tokens)))
+        self._splits[split] = (records, lengths)
+        return self._splits[split]
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = TextTokenizer(self._sources()[1])
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer (the model's embedding table must be this large)."""
+        return self.tokenizer.vocab_size
+
+    def prepare_data(self) -> None:
+        # Generates the embedded dataset if needed (once per node; ensure_synthetic_shards is race-safe).
+        self._sources()
+
+    # ------------------------------------------------------------------------------------ loaders
+
+    def _data_parallel_rank_and_size(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        strategy = trainer.strategy
+        if hasattr(strategy, "data_parallel_rank") and hasattr(strategy, "data_parallel_size"):
+            return strategy.data_parallel_rank, strategy.data_parallel_size
+        return trainer.global_rank, trainer.world_size
+
+    def _current_epoch(self) -> int:
+        return self.trainer.current_epoch if self.trainer is not None else 0
+
+    def _loader(self, split: str, shuffle: bool, epoch_fn) -> EpochAwareLoader:
+        records, lengths = self._index(split)
+        rank, world = self._data_parallel_rank_and_size()
+        dataset = _PlannedSplit(records, lengths, self, shuffle, rank, world)
+        if split == "val" and self.hparams.regroup == "none" and self.hparams.val_batch_size:
+            dataset.config = {**dataset.config, "batch_size": self.hparams.val_batch_size}
+        if len(dataset.plan(0).batches) == 0:
+            raise ValueError(f"{split}: {len(records)} samples give no batch for each of {world} data-parallel "
+                             f"rank(s); lower batch_size / the budgets, or use fewer ranks")
+        return EpochAwareLoader(dataset, epoch_fn, num_workers=self.hparams.num_workers)
+
+    def _train_epoch_and_skip(self) -> tuple[int, int]:
+        """Epoch to plan and batches to skip, asked each time the train loader is iterated.
+
+        Idempotent within an epoch (Lightning may create the iterator more than once before the first
+        batch): the resume point holds until a later epoch starts.
+        """
+        epoch = self._current_epoch()
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None
+        skip = self._resume["batches"] if self._resume is not None else 0
+        self._consumed = {"epoch": epoch, "batches": skip}
+        return epoch, skip
+
+    def train_dataloader(self) -> EpochAwareLoader:
+        return self._loader("train", shuffle=True, epoch_fn=self._train_epoch_and_skip)
+
+    def val_dataloader(self) -> EpochAwareLoader:
+        return self._loader("val", shuffle=False, epoch_fn=lambda: (0, 0))
+
+    def test_dataloader(self) -> EpochAwareLoader:
+        return self.val_dataloader()
+
+    # ------------------------------------------------------------------------------------ state
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        counts = getattr(batch, "data_errors", None)
+        if counts:
+            self.error_log.merge(counts)
+        if self.trainer is not None and self.trainer.training:
+            self._consumed["batches"] += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training stream stands: ``(epoch, batches consumed)`` plus the bad-input counts."""
+        return {"epoch": self._consumed["epoch"], "batches": self._consumed["batches"],
+                "seed": self.hparams.seed, "errors": dict(self.error_log.counts)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("seed", self.hparams.seed) != self.hparams.seed:
+            raise ValueError(f"seed: the checkpoint's data stream used seed {state_dict['seed']}, this DataModule "
+                             f"{self.hparams.seed}; resuming would not replay the same batches")
+        self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"])}
+        self.error_log.counts = dict.fromkeys(self.error_log.counts, 0)
+        self.error_log.merge(state_dict.get("errors", {}))
+
