@@ -5,8 +5,9 @@
 For ``regroup`` in ``none`` / ``bucket`` / ``pack`` at the same per-batch budget (``none`` gets the
 largest ``batch_size`` whose worst case fits the budget), on the embedded default shards:
 
-1. pipeline throughput: samples/s of ``ImageTextWebDataModule`` (decode + patchify + tokenize +
-   collate; planning included), median of ``--rounds`` passes over ``--pipeline-batches`` batches;
+1. pipeline throughput: samples/s of ``ImageTextWebDataModule`` (read + decode + patchify + tokenize +
+   collate over ``--pipeline-batches`` batches, plus the epoch's planning time spread over the epoch's
+   samples), median of ``--rounds`` passes;
 2. training throughput of the reference model: *real* (non-padding) patches + caption tokens per
    second of forward + backward + AdamW step, with the batches loaded beforehand so data time is not
    counted. The modes run interleaved (round-robin, ``--rounds`` times) so machine drift hits all alike;
@@ -43,16 +44,25 @@ def _datamodule(mode: str, args: argparse.Namespace) -> ImageTextWebDataModule:
     )
 
 
-def _pipeline_rate(dm: ImageTextWebDataModule, batches: int) -> tuple[float, list]:
+def _pipeline_rate(dm: ImageTextWebDataModule, batches: int) -> tuple[float, float, list]:
+    """Samples/s of the pipeline, and the planning share of the time per sample.
+
+    Planning runs once per epoch for all its samples, so its cost per sample is the plan time over the
+    epoch's samples; loading (read, decode, patchify, tokenize, collate) is timed over ``batches`` batches.
+    """
     start = time.perf_counter()
-    loader = dm.train_dataloader()
+    loader = dm.train_dataloader()  # builds the epoch's plan
+    plan = loader.dataset.plan(0)
+    plan_per_sample = (time.perf_counter() - start) / plan.planned_samples
     loaded, samples = [], 0
+    start = time.perf_counter()
     for batch in loader:
         loaded.append(batch)
         samples += batch.num_samples
         if len(loaded) == batches:
             break
-    return samples / (time.perf_counter() - start), loaded
+    load_per_sample = (time.perf_counter() - start) / samples
+    return 1.0 / (load_per_sample + plan_per_sample), plan_per_sample / (load_per_sample + plan_per_sample), loaded
 
 
 def main() -> None:
@@ -73,11 +83,13 @@ def main() -> None:
 
     modules = {mode: _datamodule(mode, args) for mode in MODES}
     pipeline = {mode: [] for mode in MODES}
+    plan_share = {mode: [] for mode in MODES}
     batches = {}
     for _ in range(args.rounds):
         for mode in MODES:
-            rate, loaded = _pipeline_rate(modules[mode], args.pipeline_batches)
+            rate, share, loaded = _pipeline_rate(modules[mode], args.pipeline_batches)
             pipeline[mode].append(rate)
+            plan_share[mode].append(share)
             batches[mode] = loaded
 
     vocab = modules["none"].vocab_size
@@ -115,6 +127,7 @@ def main() -> None:
         results[mode] = {
             "pipeline_samples_per_s_median": statistics.median(pipeline[mode]),
             "pipeline_vs_none": statistics.median(pipeline[mode]) / base_pipeline,
+            "pipeline_planning_share_median": statistics.median(plan_share[mode]),
             "train_real_tokens_per_s_median": statistics.median(step_rates[mode]),
             "train_vs_none": statistics.median(step_rates[mode]) / base,
             "padding_fraction_mean": statistics.fmean(padding[mode]),

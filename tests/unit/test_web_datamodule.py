@@ -170,3 +170,21 @@ def test_mid_epoch_resume_replays_exactly(shards, tmp_path, workers):
     assert ckpt.is_file()
     resumed = _fit(shards, tmp_path / "resumed", total, ckpt_path=str(ckpt), workers=workers)
     assert resumed == full[2:]
+
+
+def test_fewer_shards_than_ranks_times_workers(shards, tmp_path):
+    """One shard, 3 ranks x 2 workers: the plan deals batches, not shards, so nobody starves or hangs."""
+    url = str(shards.root / "train-000002.tar")  # 40 samples
+    steps, seen = [], []
+    for rank in range(3):
+        batches = _batches(_dm(shards, train_urls=url, regroup="none", batch_size=3, num_workers=2), rank, 3)
+        steps.append(len(batches))
+        seen += [i for b in batches for i in b.sample_ids[b.sample_ids >= 0].tolist()]
+    assert steps == [4, 4, 4] and len(set(seen)) == len(seen) == 36  # 13 batches of 3 -> 12 dealt, 4 dropped
+
+
+def test_long_captions_are_cut_and_counted(shards):
+    dm = _dm(shards, max_text_tokens=6, regroup="none")
+    batches = _batches(dm, 0, 1)
+    assert max(b.tokens.shape[1] for b in batches) <= 6
+    assert dm.error_log.counts["caption_truncated"] > 0
