@@ -125,20 +125,27 @@ class _PlannedSplit(IterableDataset):
         if self.shuffle:
             rng.shuffle(order)
         samples = (_stand_in(i, *self.lengths[i]) for i in order)
+        # Validation keeps the last, short batch (every pair scored); training keeps shapes and sizes.
+        partial = cfg.get("partial_last_batch", False)
         if cfg["regroup"] == "none":
-            batches = [[[i] for i in order[s : s + cfg["batch_size"]]]
-                       for s in range(0, len(order) - cfg["batch_size"] + 1, cfg["batch_size"])]
+            last_start = len(order) if partial else len(order) - cfg["batch_size"] + 1
+            batches = [[[i] for i in order[s : s + cfg["batch_size"]]] for s in range(0, last_start, cfg["batch_size"])]
         elif cfg["regroup"] == "bucket":
             batches = [[[s.sample_id] for s in batch] for batch in bucket_batches(
                 samples, cfg["max_patches_per_batch"], cfg["max_tokens_per_batch"], cfg["buffer_size"], rng)]
         else:
             batches = [[[s.sample_id for s in row] for row in batch] for batch in pack_rows(
                 samples, cfg["max_patches_per_row"], cfg["max_tokens_per_row"], cfg["rows_per_batch"],
-                cfg["buffer_size"], rng)]
-        usable = len(batches) - len(batches) % self.world
-        mine = batches[self.rank : usable : self.world]
-        used = sum(len(row) for batch in batches[:usable] for row in batch)
+                cfg["buffer_size"], rng, partial=partial)]
         segments = max((len(row) for batch in batches for row in batch), default=1)
+        if cfg["epoch_policy"] == "drop":
+            usable = len(batches) - len(batches) % self.world
+            mine = batches[self.rank : usable : self.world]
+        else:  # "pad": every batch is used; ranks short of one in the last round get an empty batch
+            usable = len(batches)
+            mine = batches[self.rank :: self.world]
+            mine += [[]] * (-(-len(batches) // self.world) - len(mine))
+        used = sum(len(row) for batch in batches[:usable] for row in batch)
         return EpochPlan(mine, segments, len(order), used)
 
     def __len__(self) -> int:
@@ -175,6 +182,7 @@ class _PlannedSplit(IterableDataset):
         return PatchedSample(index, patches, positions, tokens)
 
     def _load(self, rows: list[list[int]], segments: int, errors: ErrorLog) -> MultimodalBatch:
+        """Load and collate one planned batch; no rows (an ``epoch_policy="pad"`` filler) gives an empty batch."""
         cfg = self.config
         loaded = [[s for s in (self._load_sample(i, errors) for i in row) if s is not None] for row in rows]
         loaded = [row for row in loaded if row]
@@ -232,6 +240,12 @@ class ImageTextWebDataModule(L.LightningDataModule):
         on_error: ``skip`` (drop bad samples / the damaged rest of a shard, count each kind, log the
             counts) or ``raise`` (an exception naming the kind, shard URL and sample key).
         val_batch_size: samples per validation batch with ``regroup="none"``; None: ``batch_size``.
+        epoch_policy: how every data-parallel rank gets the same number of training steps: ``drop`` (the
+            last ``len % dp_size`` planned batches are left out this epoch, counted in the plan) or ``pad``
+            (every batch is used; ranks short of one in the last round take an empty batch, whose
+            losses are zero and whose gradients are zero, so nothing is lost and nothing is counted
+            twice). Validation always uses ``pad`` and keeps the last short batch, so every validation
+            pair is scored.
     """
 
     def __init__(
@@ -256,10 +270,13 @@ class ImageTextWebDataModule(L.LightningDataModule):
         text_keys: list[str] | None = None,
         on_error: Literal["skip", "raise"] = "skip",
         val_batch_size: int | None = None,
+        epoch_policy: Literal["drop", "pad"] = "drop",
     ) -> None:
         super().__init__()
         if regroup not in ("none", "bucket", "pack"):
             raise ValueError(f"regroup must be one of 'none', 'bucket', 'pack', got {regroup!r}")
+        if epoch_policy not in ("drop", "pad"):
+            raise ValueError(f"epoch_policy must be 'drop' or 'pad', got {epoch_policy!r}")
         if on_error not in ("skip", "raise"):
             raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
         for name, value, low in (
@@ -304,6 +321,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             "rows_per_batch": hp.rows_per_batch, "max_patches_per_row": hp.max_patches_per_batch // hp.rows_per_batch,
             "max_tokens_per_row": hp.max_tokens_per_batch // hp.rows_per_batch, "patch_size": hp.patch_size,
             "max_patches_per_image": hp.max_patches_per_image, "max_text_tokens": hp.max_text_tokens,
+            "epoch_policy": hp.epoch_policy,
         }
 
     # ------------------------------------------------------------------------------------ indexing
@@ -384,8 +402,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
         records, lengths = self._index(split)
         rank, world = self._data_parallel_rank_and_size()
         dataset = _PlannedSplit(records, lengths, self, shuffle, rank, world)
-        if split == "val" and self.hparams.regroup == "none" and self.hparams.val_batch_size:
-            dataset.config = {**dataset.config, "batch_size": self.hparams.val_batch_size}
+        if split == "val":
+            dataset.config = {**dataset.config, "epoch_policy": "pad", "partial_last_batch": True}
+            if self.hparams.regroup == "none" and self.hparams.val_batch_size:
+                dataset.config["batch_size"] = self.hparams.val_batch_size
         if len(dataset.plan(0).batches) == 0:
             raise ValueError(f"{split}: {len(records)} samples give no batch for each of {world} data-parallel "
                              f"rank(s); lower batch_size / the budgets, or use fewer ranks")

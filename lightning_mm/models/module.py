@@ -124,13 +124,13 @@ class VLMModule(L.LightningModule):
 
     def training_step(self, batch: MultimodalBatch, batch_idx: int) -> torch.Tensor:
         losses, _ = self._losses(batch)
-        self._log_losses("train", losses, batch.num_samples, on_step=True)
+        self._log_losses("train", losses, max(batch.num_samples, 1), on_step=True)
         now = time.perf_counter()
         if self._last_step_end is not None:
             # Wall time between consecutive steps (data loading included), samples of all data-parallel ranks.
             samples = batch.num_samples * group_size(self.data_parallel_group())
             self.log("samples_per_sec", samples / max(now - self._last_step_end, 1e-9), prog_bar=True,
-                     on_step=True, batch_size=batch.num_samples)
+                     on_step=True, batch_size=max(batch.num_samples, 1))
         self._last_step_end = now
         return losses.total
 
@@ -139,7 +139,8 @@ class VLMModule(L.LightningModule):
 
     def validation_step(self, batch: MultimodalBatch, batch_idx: int) -> None:
         losses, output = self._losses(batch)
-        self._log_losses("val", losses, batch.num_samples, on_step=False)
+        # An empty batch (a rank's filler under epoch_policy="pad") still takes part in the collectives.
+        self._log_losses("val", losses, max(batch.num_samples, 1), on_step=False)
         valid = batch.labels != IGNORE_INDEX
         self.val_token_accuracy.update(output.logits[valid], batch.labels[valid])
         self.val_perplexity.update(output.logits.float(), batch.labels)

@@ -188,3 +188,41 @@ def test_long_captions_are_cut_and_counted(shards):
     batches = _batches(dm, 0, 1)
     assert max(b.tokens.shape[1] for b in batches) <= 6
     assert dm.error_log.counts["caption_truncated"] > 0
+
+
+@pytest.mark.parametrize("regroup", ["none", "pack"])
+def test_pad_policy_uses_every_planned_batch(shards, regroup):
+    seen, steps, empty = [], [], 0
+    for rank in range(3):
+        batches = _batches(_dm(shards, regroup=regroup, epoch_policy="pad"), rank, 3)
+        steps.append(len(batches))
+        for batch in batches:
+            ids = batch.sample_ids[batch.sample_ids >= 0].tolist()
+            empty += not ids
+            seen.extend(ids)
+    plan = _dm(shards, regroup=regroup, epoch_policy="pad").train_dataloader().dataset.plan(0)
+    assert len(set(steps)) == 1 and len(seen) == len(set(seen)) == plan.used_samples
+    assert empty < 3  # at most world - 1 fillers
+    # The model trains on a filler batch with zero loss and finite, zero gradients.
+    from lightning_mm.datamodules.web import _all_padding
+    from lightning_mm.models import VisionLanguageModel, build_config, compute_losses
+
+    model = VisionLanguageModel(build_config("tiny"))
+    filler = _all_padding(4, 32, 96, 3, 16, pad_id=0)
+    losses = compute_losses(model(filler), filler)
+    losses.total.backward()
+    assert losses.total == 0
+    assert all(p.grad is None or (torch.isfinite(p.grad).all() and p.grad.abs().max() == 0) for p in model.parameters())
+
+
+@pytest.mark.parametrize("regroup", ["none", "bucket", "pack"])
+def test_validation_scores_every_pair_on_every_rank_count(shards, regroup):
+    for world in (1, 2, 3):
+        ids, steps = [], set()
+        for rank in range(world):
+            dm = _dm(shards, regroup=regroup)
+            _batches(dm, rank, world)  # attaches the fake trainer
+            batches = list(dm.val_dataloader())
+            steps.add(len(batches))
+            ids += [i for b in batches for i in b.sample_ids[b.sample_ids >= 0].tolist()]
+        assert len(steps) == 1 and sorted(ids) == list(range(12))
