@@ -19,51 +19,28 @@ Distributed policy (documented because DDP hangs when ranks disagree on the numb
 from __future__ import annotations
 
 import functools
-import glob
 import io
 import json
-import os
 import random
 import tarfile
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
 import webdataset as wds
-from braceexpand import braceexpand
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_mm.batch import MultimodalBatch
+from lightning_mm.datamodules.common import EpochAwareLoader, data_parallel_rank_and_size, expand_urls, load_manifest
 from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patchify
-from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
 
-__all__ = ["EpochAwareLoader", "SimpleImageTextDataModule", "count_samples", "expand_urls"]
+__all__ = ["SimpleImageTextDataModule", "count_samples"]
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 TEXT_KEYS = ("txt", "caption")
-
-
-def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -> list[str]:
-    """Brace-expand (``train-{000000..000007}.tar``) and glob local shard paths; error names ``argument``.
-
-    With ``must_exist=False`` missing paths are returned too, for a caller whose error policy decides.
-    """
-    patterns = [urls] if isinstance(urls, str) else list(urls)
-    expanded: list[str] = []
-    for pattern in patterns:
-        for url in braceexpand(pattern):
-            matches = sorted(glob.glob(url)) if any(c in url for c in "*?[") else [url]
-            expanded.extend(matches)
-    if not expanded:
-        raise ValueError(f"{argument}: {urls!r} matches no shard")
-    missing = [u for u in expanded if not os.path.isfile(u)]
-    if missing and must_exist:
-        raise FileNotFoundError(f"{argument}: shard {missing[0]!r} does not exist ({len(missing)} missing)")
-    return expanded
 
 
 def count_samples(shard: str) -> int:
@@ -223,25 +200,6 @@ class _ShardStream(IterableDataset):
         return collate_one_per_row(samples, self.tokenizer.pad_id)
 
 
-class EpochAwareLoader(DataLoader):
-    """DataLoader that tells its (batch-yielding) dataset the epoch before each pass.
-
-    Lightning calls ``set_epoch`` only on a DataLoader's *sampler*, and an IterableDataset loader has
-    none. ``epoch_fn()`` returns the epoch, or a tuple of ``dataset.set_epoch`` arguments; it is applied
-    before the workers are started (they receive a copy of the dataset), so each epoch's order differs.
-    Persistent workers would keep their first copy, hence they are not offered.
-    """
-
-    def __init__(self, dataset: IterableDataset, epoch_fn: Callable[[], Any], num_workers: int = 0) -> None:
-        super().__init__(dataset, batch_size=None, num_workers=num_workers)
-        self._epoch_fn = epoch_fn
-
-    def __iter__(self):
-        state = self._epoch_fn()
-        self.dataset.set_epoch(*(state if isinstance(state, tuple) else (state,)))
-        return super().__iter__()
-
-
 class SimpleImageTextDataModule(L.LightningDataModule):
     """Fixed-size batches from WebDataset image-text shards.
 
@@ -313,18 +271,9 @@ class SimpleImageTextDataModule(L.LightningDataModule):
                 splits[split] = (shards, [count_samples(s) for s in shards])
             tokenizer_path = hp.tokenizer
         else:
-            root = Path(hp.data_dir) if hp.data_dir else ensure_synthetic_shards(hp.synthetic_preset)
-            manifest_path = root / "manifest.json"
-            if not manifest_path.is_file():
-                raise FileNotFoundError(f"data_dir: no manifest.json in {str(root)!r} (write one with "
-                                        "`lightning-mm make-shards --output-dir ...`)")
-            manifest = json.loads(manifest_path.read_text())
-            splits = {
-                split: ([str(root / s) for s in manifest["splits"][split]["shards"]],
-                        list(manifest["splits"][split]["samples_per_shard"]))
-                for split in ("train", "val")
-            }
-            tokenizer_path = hp.tokenizer or str(root / manifest["tokenizer"])
+            dataset = load_manifest(hp.data_dir, hp.synthetic_preset)
+            splits = {split: (dataset.shards[split], dataset.samples_per_shard[split]) for split in ("train", "val")}
+            tokenizer_path = hp.tokenizer or dataset.tokenizer
         self._tokenizer = TextTokenizer(tokenizer_path)
         self._splits = splits
 
@@ -344,15 +293,7 @@ class SimpleImageTextDataModule(L.LightningDataModule):
     # --------------------------------------------------------------------------------- loaders
 
     def _data_parallel_rank_and_size(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        strategy = trainer.strategy
-        # A mesh-aware strategy (HybridParallelStrategy) gives the data-parallel coordinates; ranks that
-        # differ only in model-parallel axes must receive identical batches.
-        if hasattr(strategy, "data_parallel_rank") and hasattr(strategy, "data_parallel_size"):
-            return strategy.data_parallel_rank, strategy.data_parallel_size
-        return trainer.global_rank, trainer.world_size
+        return data_parallel_rank_and_size(self.trainer)
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
         self._resolve()

@@ -35,10 +35,8 @@ Remote URLs (``pipe:``, ``http://``, ``s3://``) are not supported: planning need
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -46,6 +44,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_mm.batch import IGNORE_INDEX, PAD_SEGMENT, MultimodalBatch
+from lightning_mm.datamodules.common import EpochAwareLoader, data_parallel_rank_and_size, expand_urls, load_manifest
 from lightning_mm.datamodules.decode import (
     IMAGE_KEYS,
     TEXT_KEYS,
@@ -56,7 +55,6 @@ from lightning_mm.datamodules.decode import (
     read_sample_files,
 )
 from lightning_mm.datamodules.regroup import bucket_batches, collate_packed, pack_rows
-from lightning_mm.datamodules.simple import EpochAwareLoader, expand_urls
 from lightning_mm.datamodules.stages import (
     PatchedSample,
     TextTokenizer,
@@ -64,7 +62,6 @@ from lightning_mm.datamodules.stages import (
     patch_grid,
     patchify,
 )
-from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
 
 __all__ = ["ImageTextWebDataModule", "EpochPlan"]
 
@@ -337,14 +334,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
                                          "from an index and needs local (or mounted) shards")
             return {split: expand_urls(value, f"{split}_urls", must_exist=False) for split, value in urls.items()}, \
                 hp.tokenizer
-        root = Path(hp.data_dir) if hp.data_dir else ensure_synthetic_shards(hp.synthetic_preset)
-        manifest_path = root / "manifest.json"
-        if not manifest_path.is_file():
-            raise FileNotFoundError(f"data_dir: no manifest.json in {str(root)!r} (write one with "
-                                    "`lightning-mm make-shards --output-dir ...`)")
-        manifest = json.loads(manifest_path.read_text())
-        shards = {split: [str(root / s) for s in manifest["splits"][split]["shards"]] for split in ("train", "val")}
-        return shards, hp.tokenizer or str(root / manifest["tokenizer"])
+        dataset = load_manifest(hp.data_dir, hp.synthetic_preset)
+        return dataset.shards, hp.tokenizer or dataset.tokenizer
 
     def _index(self, split: str) -> tuple[list[SampleRecord], list[tuple[int, int]]]:
         if split in self._splits:
@@ -387,13 +378,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------------------------ loaders
 
     def _data_parallel_rank_and_size(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        strategy = trainer.strategy
-        if hasattr(strategy, "data_parallel_rank") and hasattr(strategy, "data_parallel_size"):
-            return strategy.data_parallel_rank, strategy.data_parallel_size
-        return trainer.global_rank, trainer.world_size
+        return data_parallel_rank_and_size(self.trainer)
 
     def _current_epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer is not None else 0

@@ -9,7 +9,8 @@ import torch
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules import SimpleImageTextDataModule
-from lightning_mm.datamodules.simple import _steps_per_rank, expand_urls
+from lightning_mm.datamodules.common import expand_urls
+from lightning_mm.datamodules.simple import _steps_per_rank
 from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
 
 

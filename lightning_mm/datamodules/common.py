@@ -1,0 +1,97 @@
+"""What every shard DataModule shares: locating the data, the data-parallel coordinates, the loader."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
+
+__all__ = ["EmbeddedDataset", "EpochAwareLoader", "data_parallel_rank_and_size", "expand_urls", "load_manifest"]
+
+
+def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -> list[str]:
+    """Brace-expand (``train-{000000..000007}.tar``) and glob local shard paths; errors name ``argument``.
+
+    With ``must_exist=False`` missing paths are returned too, for a caller whose error policy decides.
+    """
+    from braceexpand import braceexpand
+
+    patterns = [urls] if isinstance(urls, str) else list(urls)
+    expanded: list[str] = []
+    for pattern in patterns:
+        for url in braceexpand(pattern):
+            matches = sorted(glob.glob(url)) if any(c in url for c in "*?[") else [url]
+            expanded.extend(matches)
+    if not expanded:
+        raise ValueError(f"{argument}: {urls!r} matches no shard")
+    missing = [u for u in expanded if not os.path.isfile(u)]
+    if missing and must_exist:
+        raise FileNotFoundError(f"{argument}: shard {missing[0]!r} does not exist ({len(missing)} missing)")
+    return expanded
+
+
+@dataclass(frozen=True)
+class EmbeddedDataset:
+    """A dataset written by ``lightning-mm make-shards``: shard paths and sizes per split, its tokenizer."""
+
+    shards: dict[str, list[str]]
+    samples_per_shard: dict[str, list[int]]
+    tokenizer: str
+
+
+def load_manifest(data_dir: str | None, synthetic_preset: str) -> EmbeddedDataset:
+    """Read ``data_dir/manifest.json``; with no ``data_dir``, the preset's cached dataset (generated if missing)."""
+    root = Path(data_dir) if data_dir else ensure_synthetic_shards(synthetic_preset)
+    manifest_path = root / "manifest.json"
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"data_dir: no manifest.json in {str(root)!r} (write one with "
+                                "`lightning-mm make-shards --output-dir ...`)")
+    manifest = json.loads(manifest_path.read_text())
+    splits = manifest["splits"]
+    return EmbeddedDataset(
+        shards={split: [str(root / s) for s in splits[split]["shards"]] for split in ("train", "val")},
+        samples_per_shard={split: list(splits[split]["samples_per_shard"]) for split in ("train", "val")},
+        tokenizer=str(root / manifest["tokenizer"]),
+    )
+
+
+def data_parallel_rank_and_size(trainer: Any) -> tuple[int, int]:
+    """This process's data-parallel coordinates.
+
+    A mesh-aware strategy (HybridParallelStrategy) reports ``data_parallel_rank`` / ``_size``: ranks that
+    differ only in tensor, pipeline or expert coordinates must receive identical batches. Otherwise every
+    process is a data-parallel peer (DDP, FSDP); without a trainer, one process.
+    """
+    if trainer is None:
+        return 0, 1
+    strategy = trainer.strategy
+    if hasattr(strategy, "data_parallel_rank") and hasattr(strategy, "data_parallel_size"):
+        return strategy.data_parallel_rank, strategy.data_parallel_size
+    return trainer.global_rank, trainer.world_size
+
+
+class EpochAwareLoader(DataLoader):
+    """DataLoader that tells its (batch-yielding) dataset the epoch before each pass.
+
+    Lightning calls ``set_epoch`` only on a DataLoader's *sampler*, and an IterableDataset loader has
+    none. ``epoch_fn()`` returns the epoch, or a tuple of ``dataset.set_epoch`` arguments; it is applied
+    before the workers are started (they receive a copy of the dataset), so each epoch's order differs.
+    Persistent workers would keep their first copy, hence they are not offered.
+    """
+
+    def __init__(self, dataset: IterableDataset, epoch_fn: Callable[[], Any], num_workers: int = 0) -> None:
+        super().__init__(dataset, batch_size=None, num_workers=num_workers)
+        self._epoch_fn = epoch_fn
+
+    def __iter__(self):
+        state = self._epoch_fn()
+        self.dataset.set_epoch(*(state if isinstance(state, tuple) else (state,)))
+        return super().__iter__()
