@@ -195,7 +195,8 @@ class _PlannedSplit(IterableDataset):
 
 
 def _all_padding(rows: int, patches: int, tokens: int, segments: int, patch_size: int, pad_id: int) -> MultimodalBatch:
-    """A batch with no sample, kept so every rank still takes its step when all planned samples were bad."""
+    """A batch with no sample: an ``epoch_policy="pad"`` filler, or a planned batch whose samples all turned
+    out corrupt. Every rank still takes its step (same collectives); its losses and gradients are zero."""
     return MultimodalBatch(
         patches=torch.zeros(rows, patches, 3 * patch_size**2),
         patch_pos=torch.zeros(rows, patches, 2, dtype=torch.long),
