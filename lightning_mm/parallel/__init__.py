@@ -1,6 +1,18 @@
-"""Plain torch.distributed building blocks (no Lightning imports): collectives now; mesh, plans, FSDP,
-pipeline, experts and compression as the strategy issues land."""
+"""Plain torch.distributed building blocks (no Lightning imports): the mesh (``dims``), tensor-parallel
+plans (``plans``), FSDP2 / HSDP (``fsdp``) and the collectives the losses need; pipeline, experts and
+compression land with their issues."""
 
 from lightning_mm.parallel.dims import MeshAxis, ParallelDims
+from lightning_mm.parallel.fsdp import apply_fsdp, mixed_precision_policy, transformer_blocks
+from lightning_mm.parallel.plans import apply_tensor_parallel, reference_vlm_plan, resolve_plan
 
-__all__ = ["MeshAxis", "ParallelDims"]
+__all__ = [
+    "MeshAxis",
+    "ParallelDims",
+    "apply_fsdp",
+    "apply_tensor_parallel",
+    "mixed_precision_policy",
+    "reference_vlm_plan",
+    "resolve_plan",
+    "transformer_blocks",
+]

@@ -1,0 +1,163 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the reference VLM and other models (plain torch.distributed;
+no Lightning imports).
+
+Sharding unit = one repeated block (ViT block, unimodal decoder layer, fusion layer), then the root module for
+whatever is left (embeddings, projector, heads, ``logit_scale``): the order torchtitan uses. Per-block units
+mean only one block's full parameters exist at a time in forward and backward, and the all-gather of block
+``i + 1`` overlaps the compute of block ``i``.
+
+The mesh is 1-D (FSDP: parameters sharded over ``dp_shard``) or 2-D (HSDP: ``(dp_replicate, dp_shard)``,
+sharded inside a group, replicated across groups); pass ``dims.get_mesh(dims.fsdp_axes)``. FSDP2 averages
+gradients over the whole data-parallel mesh (reduce-scatter over shard, all-reduce over replicate, both divided
+by the group size), which is the averaging :func:`lightning_mm.models.losses.compute_losses` is written for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+__all__ = ["SUPPORTED_PRECISIONS", "apply_fsdp", "mixed_precision_policy", "transformer_blocks"]
+
+SUPPORTED_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
+"""Lightning-style precision strings :func:`mixed_precision_policy` understands."""
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2 mixed-precision policy for a Lightning-style ``precision`` string.
+
+    - ``"32-true"``: ``None`` (fp32 parameters, compute and gradient reduction; FSDP's default policy).
+    - ``"bf16-mixed"``: bf16 parameters for compute (FSDP casts them at all-gather time), fp32 gradient
+      reduction, so summing over many ranks does not lose the small gradients; the sharded master weights
+      and the optimizer state stay fp32.
+    - ``"bf16-true"``: bf16 for compute and reduction (halves the reduce-scatter traffic; least accurate).
+
+    Any other value raises ``ValueError`` naming ``precision`` and listing :data:`SUPPORTED_PRECISIONS`.
+    """
+    if precision == "32-true":
+        return None
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "bf16-true":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    raise ValueError(f"unsupported precision={precision!r} for FSDP; supported values: {SUPPORTED_PRECISIONS}")
+
+
+def _reference_blocks(model: nn.Module) -> list[nn.Module] | None:
+    """The reference VLM's blocks, found by structure (importing the class would import Lightning)."""
+    vision = getattr(model, "vision", None)
+    lists = (getattr(vision, "blocks", None), getattr(model, "unimodal_layers", None),
+             getattr(model, "fusion_layers", None))
+    if not all(isinstance(layers, nn.ModuleList) for layers in lists):
+        return None
+    return [block for layers in lists for block in layers]
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks :func:`apply_fsdp` shards one by one, in forward order where the model defines it.
+
+    Rule:
+
+    - Reference VLM (a model with ModuleLists ``vision.blocks``, ``unimodal_layers`` and ``fusion_layers``):
+      the items of exactly those three lists, in that order (the forward order).
+    - Any other model: the items of every ``nn.ModuleList`` in the module tree that is not itself inside an
+      already selected item (outermost lists only; a list nested in a block belongs to that block's unit),
+      in ``named_modules()`` order. A model without ModuleLists gives ``[]`` (only the root is sharded).
+    """
+    reference = _reference_blocks(model)
+    if reference is not None:
+        return reference
+    blocks: list[nn.Module] = []
+    inside: set[str] = set()  # qualified names of selected blocks; their submodules are skipped
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if isinstance(module, nn.ModuleList):
+            for child_name, child in module.named_children():
+                blocks.append(child)
+                inside.add(f"{name}.{child_name}" if name else child_name)
+    return blocks
+
+
+def _keep_scalars_replicated(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Average the gradients of ``model``'s 0-d parameters over ``mesh``; return those parameters.
+
+    FSDP2 cannot shard a 0-d tensor, so these parameters are handed to ``fully_shard`` as ``ignored_params``:
+    every rank keeps the full value, and a post-accumulate-grad hook all-reduces the gradient over each mesh dim
+    (shard, then replicate for HSDP) and divides by ``mesh.size()``, i.e. the same average FSDP applies to the
+    other parameters, so all ranks take identical optimizer steps. The hook is linear in the gradient, so under
+    gradient accumulation (a replicated partial sum plus a new local term) it still yields the mean over ranks.
+    """
+    scalars = {param for param in model.parameters() if param.ndim == 0 and param.requires_grad}
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    size = mesh.size()
+
+    def average_over_mesh(param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        for group in groups:
+            dist.all_reduce(param.grad, group=group)
+        param.grad.div_(size)
+
+    for param in scalars:
+        param.register_post_accumulate_grad_hook(average_over_mesh)
+    return scalars
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    blocks: list[nn.Module] | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 over ``mesh`` and return it.
+
+    Every block (default :func:`transformer_blocks`) becomes its own FSDP unit, then the root takes the
+    remaining parameters. Afterwards each parameter is a ``DTensor`` on ``mesh``: placement ``(Shard(0),)`` on a
+    1-D mesh, ``(Replicate(), Shard(0))`` on a 2-D ``(replicate, shard)`` mesh; a local shard holds
+    ``ceil(dim0 / shard_size)`` rows (fewer on the last ranks). Use ``param.full_tensor()`` for the full value.
+    Exception: 0-d parameters (``logit_scale``), which ``fully_shard`` rejects, stay plain tensors replicated on
+    every rank, their gradients averaged over ``mesh`` by a hook (see ``_keep_scalars_replicated``).
+
+    Args:
+        model: the module to shard; all ranks must hold identical parameter values (same seed / same checkpoint),
+            since every rank keeps only its own chunk of its own copy.
+        mesh: 1-D (FSDP) or 2-D (HSDP, dims ordered replicate then shard) device mesh.
+        mp_policy: e.g. from :func:`mixed_precision_policy`; ``None`` means full precision.
+        reshard_after_forward: free the gathered block parameters after forward and gather again in backward
+            (ZeRO-3); ``False`` keeps them until backward (ZeRO-2-like: more memory, one all-gather less).
+            The root is never resharded after forward by FSDP2, whatever this says (backward starts with it).
+        cpu_offload: keep the sharded parameters, gradients and optimizer step on the CPU (``CPUOffloadPolicy``);
+            memory is pinned only when CUDA exists (pinning needs it).
+        blocks: modules to shard individually instead of :func:`transformer_blocks`; must be submodules of
+            ``model``.
+    """
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"apply_fsdp needs a 1-D (FSDP) or 2-D (HSDP: replicate x shard) mesh, got a {mesh.ndim}-D "
+                         f"mesh with dims {mesh.mesh_dim_names}")
+    blocks = transformer_blocks(model) if blocks is None else list(blocks)
+    own = {id(module) for module in model.modules()}
+    for block in blocks:
+        if id(block) not in own:
+            raise ValueError(f"apply_fsdp: block {type(block).__name__} is not a submodule of the model")
+        if block is model:
+            raise ValueError("apply_fsdp: the model itself cannot be one of the blocks (it is sharded as the root)")
+    # fully_shard refuses 0-d parameters (the reference VLM's logit_scale), by design upstream: see
+    # https://github.com/pytorch/pytorch/pull/132934 (issue #130810), which asks users to make them 1-D. Users'
+    # models have them too, so rather than demand a model change they stay plain replicated tensors, outside
+    # FSDP, and their gradients are averaged over the mesh by a hook instead.
+    scalars = _keep_scalars_replicated(model, mesh)
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    config = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload,
+              "ignored_params": scalars or None}
+    # Blocks first, root last: fully_shard on the root skips parameters already owned by a block unit, so the
+    # root unit holds only the leftovers (embeddings, heads, norms, logit_scale).
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **config)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **config)
+    return model
