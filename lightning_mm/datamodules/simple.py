@@ -19,7 +19,6 @@ Distributed policy (documented because DDP hangs when ranks disagree on the numb
 from __future__ import annotations
 
 import functools
-import io
 import json
 import random
 import tarfile
@@ -30,17 +29,15 @@ import lightning as L
 import numpy as np
 import torch
 import webdataset as wds
-from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.common import EpochAwareLoader, data_parallel_rank_and_size, expand_urls, load_manifest
+from lightning_mm.datamodules.decode import IMAGE_KEYS, TEXT_KEYS, ErrorLog, load_rgb_image
 from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patchify
 
 __all__ = ["SimpleImageTextDataModule", "count_samples"]
 
-IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
-TEXT_KEYS = ("txt", "caption")
 
 
 def count_samples(shard: str) -> int:
@@ -153,11 +150,9 @@ class _ShardStream(IterableDataset):
             patches = torch.zeros(0, 3 * self.patch_size**2)
             positions = torch.zeros(0, 2, dtype=torch.long)
         else:
-            try:
-                image = Image.open(io.BytesIO(sample[image_key]))
-                image.load()
-            except Exception as err:
-                raise ValueError(f"{where}: cannot decode {image_key!r} ({err})") from err
+            # The baseline has no skip policy: a bad image raises BadSampleError naming shard and key.
+            image = load_rgb_image(sample[image_key], sample.get("__url__", "?"), sample.get("__key__"),
+                                   ErrorLog("raise"))
             patches, positions = patchify(image, self.patch_size, self.max_patches_per_image)
         tokens = self.tokenizer.encode(text, self.max_text_tokens)
         return PatchedSample(sample["__sample_id__"], patches, positions, tokens)
