@@ -285,21 +285,17 @@ class ImageTextWebDataModule(L.LightningDataModule):
         ):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        if regroup == "pack":
-            row_patches, row_tokens = max_patches_per_batch // rows_per_batch, max_tokens_per_batch // rows_per_batch
-            if row_patches < max_patches_per_image:
-                raise ValueError(f"max_patches_per_batch / rows_per_batch = {row_patches} must be >= "
-                                 f"max_patches_per_image = {max_patches_per_image}, or the largest image fits no row")
-            if row_tokens < max_text_tokens:
-                raise ValueError(f"max_tokens_per_batch / rows_per_batch = {row_tokens} must be >= "
-                                 f"max_text_tokens = {max_text_tokens}, or the longest caption fits no row")
-        elif regroup == "bucket":
-            if max_patches_per_batch < max_patches_per_image:
-                raise ValueError(f"max_patches_per_batch = {max_patches_per_batch} must be >= max_patches_per_image"
-                                 f" = {max_patches_per_image}")
-            if max_tokens_per_batch < max_text_tokens:
-                raise ValueError(f"max_tokens_per_batch = {max_tokens_per_batch} must be >= max_text_tokens"
-                                 f" = {max_text_tokens}")
+        if regroup != "none":
+            # One sample must fit the unit the budgets are cut into: a packed row, or a bucket batch.
+            rows, unit = (rows_per_batch, "row") if regroup == "pack" else (1, "batch")
+            per = " / rows_per_batch" if regroup == "pack" else ""
+            for budget_name, budget, cap_name, cap in (
+                ("max_patches_per_batch", max_patches_per_batch, "max_patches_per_image", max_patches_per_image),
+                ("max_tokens_per_batch", max_tokens_per_batch, "max_text_tokens", max_text_tokens),
+            ):
+                if budget // rows < cap:
+                    raise ValueError(f"{budget_name}{per} = {budget // rows} must be >= {cap_name} = {cap}, "
+                                     f"or the largest sample fits no {unit}")
         if train_urls is not None and (val_urls is None or tokenizer is None):
             raise ValueError("with train_urls, also give val_urls and tokenizer (path to an HF tokenizer.json)")
         self.save_hyperparameters()
