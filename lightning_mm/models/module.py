@@ -84,9 +84,10 @@ class VLMModule(L.LightningModule):
         otherwise every process is a data-parallel peer (DDP, FSDP), and one process means no group.
         """
         strategy = self._trainer.strategy if self._trainer is not None else None
-        group = getattr(strategy, "data_parallel_group", None)
-        if group is not None:
-            return group
+        if hasattr(strategy, "data_parallel_group"):
+            # The strategy knows its mesh; None there means one batch shard (e.g. pure tensor parallel), where
+            # falling back to WORLD would count tp peers' identical samples as extra negatives.
+            return strategy.data_parallel_group
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return dist.group.WORLD
         return None

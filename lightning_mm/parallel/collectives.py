@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 
 __all__ = ["group_size", "all_reduce_sum", "all_gather_with_grad"]
 
@@ -45,6 +44,31 @@ def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None) -> tu
     counts[dist.get_rank(group)] = x.shape[0]
     counts = all_reduce_sum(counts, group).tolist()
     padded = torch.cat([x, x.new_zeros(max(counts) - x.shape[0], *x.shape[1:])]) if max(counts) > x.shape[0] else x
-    gathered = dist_nn.all_gather(padded, group=group)
+    gathered = _AllGatherSumGrad.apply(padded.contiguous(), group)  # (world, n_max, ...)
     rank = dist.get_rank(group)
-    return torch.cat([part[:n] for part, n in zip(gathered, counts, strict=True)]), sum(counts[:rank])
+    return torch.cat([part[:n] for part, n in zip(gathered.unbind(0), counts, strict=True)]), sum(counts[:rank])
+
+
+class _AllGatherSumGrad(torch.autograd.Function):
+    """``(n, ...) -> (world, n, ...)`` all-gather whose backward sums every rank's gradient of this rank's rows.
+
+    Not ``torch.distributed.nn.functional.all_gather``: on gloo its backward goes through an all-to-all built from
+    ``dist.scatter(src=i, group=group)`` with ``i`` a *group* rank where ``scatter`` expects a global one, so it
+    fails ("Global rank 0 is not part of group") on any subgroup not starting at global rank 0, e.g. the
+    data-parallel group of a dp x tp mesh (same rank-namespace bug class as pytorch/pytorch#74602 and
+    #118359). The backward here is one reduce-scatter, which is also what NCCL uses there.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = x.new_empty(world * x.shape[0], *x.shape[1:])  # gloo wants the ranks concatenated along dim 0
+        dist.all_gather_single(out, x, group=group)
+        return out.view(world, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        local = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_single(local, grad.contiguous().flatten(0, 1), op=dist.ReduceOp.SUM, group=ctx.group)
+        return local, None

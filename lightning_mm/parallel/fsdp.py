@@ -14,13 +14,22 @@ by the group size), which is the averaging :func:`lightning_mm.models.losses.com
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["SUPPORTED_PRECISIONS", "apply_fsdp", "mixed_precision_policy", "transformer_blocks"]
+__all__ = [
+    "SUPPORTED_PRECISIONS",
+    "apply_activation_checkpointing",
+    "apply_fsdp",
+    "mixed_precision_policy",
+    "transformer_blocks",
+]
 
 SUPPORTED_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 """Lightning-style precision strings :func:`mixed_precision_policy` understands."""
@@ -80,6 +89,26 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
                 blocks.append(child)
                 inside.add(f"{name}.{child_name}" if name else child_name)
     return blocks
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
+    """Recompute each block's activations in backward instead of storing them (full activation checkpointing).
+
+    Apply after tensor parallelism and before FSDP (the torchtitan order): the block's FSDP hooks then wrap the
+    checkpointed forward, so parameters are gathered before the recomputation runs in backward.
+
+    Implemented by replacing each block's ``forward`` on the instance with a non-reentrant
+    ``torch.utils.checkpoint.checkpoint`` of the original, rather than with torch's ``checkpoint_wrapper``: the
+    wrapper inserts a ``_checkpoint_wrapped_module`` level into every parameter name, which user TP plans, FSDP
+    block selection and plain ``state_dict()`` keys would then see. Here the module tree and FQNs are unchanged,
+    so checkpoints are the same with and without activation checkpointing. Idempotent.
+    """
+    for block in blocks:
+        if getattr(block, "_lightning_mm_checkpointed", False):
+            continue
+        original = block.forward
+        block.forward = functools.partial(checkpoint, original, use_reentrant=False)
+        block._lightning_mm_checkpointed = True
 
 
 def _keep_scalars_replicated(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:

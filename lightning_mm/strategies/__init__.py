@@ -1,1 +1,19 @@
-"""Lightning strategies over ``lightning_mm.parallel`` (HybridParallelStrategy lands with its issue)."""
+"""Lightning strategies over ``lightning_mm.parallel``.
+
+Importing this package registers ``HybridParallelStrategy`` in Lightning's strategy registry as ``"hybrid"``, so
+``Trainer(strategy="hybrid")`` and ``trainer.strategy: hybrid`` in a LightningCLI config work after
+``import lightning_mm.strategies`` (the ``lightning-mm`` CLI imports it).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_mm.strategies.hybrid import HybridParallelStrategy
+
+__all__ = ["HybridParallelStrategy"]
+
+if HybridParallelStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(
+        HybridParallelStrategy.strategy_name,
+        HybridParallelStrategy,
+        description="FSDP2 / HSDP x tensor (+ sequence) parallel on an N-D device mesh (lightning-mm)",
+    )
