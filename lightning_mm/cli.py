@@ -1,7 +1,8 @@
-"""``lightning-mm``: LightningCLI for fit / validate / test, plus ``make-shards``.
+"""``lightning-mm``: LightningCLI for fit / validate / test, plus ``make-shards`` and ``consolidate``.
 
     lightning-mm fit --config examples/configs/default.yaml
     lightning-mm make-shards --preset tiny --output-dir /tmp/shards
+    lightning-mm consolidate CKPT_DIR OUT.ckpt
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 
 __all__ = ["VLMLightningCLI", "main", "configure_wandb_mode"]
 
-_OVERVIEW = """usage: lightning-mm {fit,validate,test,make-shards} ...
+_OVERVIEW = """usage: lightning-mm {fit,validate,test,make-shards,consolidate} ...
 
 Multimodal (vision-language) training with PyTorch Lightning.
 
@@ -23,6 +24,7 @@ subcommands:
   validate     run one validation pass
   test         run one test pass
   make-shards  write the embedded synthetic image-text dataset as WebDataset shards
+  consolidate  write a sharded checkpoint directory (HybridParallelStrategy) as one checkpoint file
 
 example:
   lightning-mm fit --config examples/configs/default.yaml
@@ -77,6 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_mm.datamodules.synthetic import make_shards_main
 
         raise SystemExit(make_shards_main(argv[1:]))
+    if argv and argv[0] == "consolidate":
+        from lightning_mm.checkpoint import consolidate_main
+
+        raise SystemExit(consolidate_main(argv[1:]))
     if not argv or argv[0] in ("-h", "--help"):
         print(_OVERVIEW)
         raise SystemExit(0)

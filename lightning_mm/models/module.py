@@ -152,7 +152,7 @@ class VLMModule(L.LightningModule):
         # Recall is over the whole validation set, so chance level is 1 / (pairs in the set).
         pairs = self.val_recall.num_pairs()
         if self.trainer.world_size > 1:
-            pairs = int(self.trainer.strategy.reduce(torch.tensor(float(pairs), device=self.device), "sum"))
+            pairs = int(self.trainer.strategy.reduce(torch.tensor(float(pairs), device=self.device), reduce_op="sum"))
         self.log("val/recall_at_1", self.val_recall.compute(), prog_bar=True)
         self.log("val/recall_at_1_chance", 1.0 / max(pairs, 1))
         self.log("val/token_accuracy", self.val_token_accuracy.compute())

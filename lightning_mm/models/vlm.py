@@ -187,11 +187,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        context: torch.Tensor,
         mask: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x (R, Lq, D)``, ``context (R, Lk, Dc)``, ``mask (R, Lq, Lk)`` bool -> ``(R, Lq, D)``."""
+        """``x (R, Lq, D)``, ``mask (R, Lq, Lk)`` bool, ``context (R, Lk, Dc)`` -> ``(R, Lq, D)``.
+
+        ``context=None`` is self-attention (keys / values from ``x``). Self-attention passes ``x`` once rather
+        than twice so that a sequence-parallel plan gathers the sequence once for q, k and v (one all-gather in
+        forward, one reduce-scatter of the summed q/k/v input gradients in backward).
+        """
+        context = x if context is None else context
         rows, len_q, _ = x.shape
         len_k = context.shape[1]
         # (R, H, L, hd); -1 heads so a TP-sharded projection yields the local heads.
@@ -225,8 +231,7 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(dim, int(dim * mlp_ratio))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, rotary=None) -> torch.Tensor:
-        h = self.attn_norm(x)
-        x = x + self.attn(h, h, mask, rotary)
+        x = x + self.attn(self.attn_norm(x), mask, rotary)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -275,12 +280,28 @@ class ModalityExperts(nn.Module):
             # autograd graph (DDP without find_unused_parameters, FSDP reduce-scatter of every shard).
             index = (choice == local).nonzero().squeeze(-1)
             expert = offset + local
-            h = F.gelu(tokens[index] @ self.w_in[expert] + self.b_in[expert])
-            h = h @ self.w_out[expert] + self.b_out[expert]
-            routed = routed.index_add(0, index, h * gate[index, None].to(h.dtype))
+            # addmm (bias fused) rather than "@ then +": under autocast the fp32 bias add would promote the bf16
+            # matmul output back to fp32; addmm is autocast as one op, so h stays in the compute dtype.
+            h = F.gelu(torch.addmm(self.b_in[expert], tokens[index], self.w_in[expert]))
+            h = torch.addmm(self.b_out[expert], h, self.w_out[expert])
+            routed = routed.index_add(0, index, (h * gate[index, None].to(h.dtype)).to(routed.dtype))
         out = x.new_zeros(x.shape).masked_scatter(valid[..., None], routed)
         counts = torch.bincount(choice, minlength=probs.shape[-1]).to(probs.dtype)
         return out, RouterStats(expert_counts=counts, prob_sums=probs.sum(dim=0))
+
+
+class GatedResidual(nn.Module):
+    """``x + tanh(gate) * update * keep``: the residual add of a gated cross-attention. No parameters of its own.
+
+    A module (rather than one line of :class:`FusionBlock`) only so that a tensor-parallel plan can give its inputs
+    layouts: under sequence parallelism ``x`` and ``update`` are sequence-sharded while ``gate`` (the block's
+    parameter) and ``keep`` arrive whole, and the gate's gradient must be summed over the sequence shards (see
+    :func:`lightning_mm.parallel.plans.reference_vlm_plan`).
+    """
+
+    def forward(self, x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``x, update (R, T, D)``, ``gate (1,)``, ``keep (R, T)`` bool -> ``(R, T, D)``."""
+        return x + torch.tanh(gate) * update * keep[..., None]
 
 
 class FusionBlock(nn.Module):
@@ -301,6 +322,7 @@ class FusionBlock(nn.Module):
         # tanh gate as in Flamingo, but not zero-initialised: the decoder is trained from scratch, and a
         # zero gate would also zero the cross-attention weights' gradients at the first step.
         self.cross_attn_gate = nn.Parameter(torch.full((1,), 0.5))
+        self.gated_residual = GatedResidual()
         self.text_ffn_norm = nn.LayerNorm(dim, eps=config.norm_eps)
         self.media_ffn_norm = nn.LayerNorm(dim, eps=config.norm_eps)
         self.experts = ModalityExperts(dim, config.expert_hidden, config.vision_experts, config.text_experts)
@@ -317,10 +339,10 @@ class FusionBlock(nn.Module):
         media_valid: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, list[RouterStats]]:
         """``text (R, T, D)``, ``media (R, Np, D)`` -> updated ``text``, ``media`` and router stats."""
-        h = self.self_attn_norm(text)
-        text = text + self.self_attn(h, h, text_mask, rotary)
-        cross = self.cross_attn(self.cross_attn_norm(text), self.media_norm(media), media_mask)
-        text = text + torch.tanh(self.cross_attn_gate) * cross * media_has_key[..., None]
+        text = text + self.self_attn(self.self_attn_norm(text), text_mask, rotary)
+        cross = self.cross_attn(self.cross_attn_norm(text), media_mask, context=self.media_norm(media))
+        # media_has_key zeroes the update (value and gradient) of tokens whose sample has no image.
+        text = self.gated_residual(text, cross, self.cross_attn_gate, media_has_key)
         text_out, text_stats = self.experts(self.text_ffn_norm(text), text_valid, "text")
         media_out, media_stats = self.experts(self.media_ffn_norm(media), media_valid, "vision")
         return text + text_out, media + media_out, [media_stats, text_stats]

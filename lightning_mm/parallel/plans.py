@@ -1,7 +1,8 @@
 """Tensor-parallel plans: which submodule of a model is sharded how (plain torch.distributed; no Lightning imports).
 
-A plan is plain data, ``{fqn_pattern: style}``, with ``fnmatch`` patterns over ``model.named_modules()`` and one of
-:data:`STYLES` as the style, so it can live in a config file and be validated before any process group exists:
+A plan is ``{fqn_pattern: style}``, with ``fnmatch`` patterns over ``model.named_modules()``. A user plan is plain
+data with one of :data:`STYLES` as the style, so it can live in a config file and be validated before any process
+group exists:
 
 * ``"colwise"``   -> :class:`~torch.distributed.tensor.parallel.ColwiseParallel`: an ``nn.Linear`` whose output
   features (rows of its weight) are split over the tp ranks. Used for q/k/v projections (each rank gets whole
@@ -10,29 +11,38 @@ A plan is plain data, ``{fqn_pattern: style}``, with ``fnmatch`` patterns over `
 * ``"rowwise"``   -> :class:`~torch.distributed.tensor.parallel.RowwiseParallel`: the matching ``nn.Linear`` whose
   input features are split; its output is all-reduced back to a replicated tensor (``o_proj``, ``fc2``).
 * ``"sequence"``  -> :class:`~torch.distributed.tensor.parallel.SequenceParallel` (norms / dropout on
-  sequence-sharded activations). Accepted by :func:`resolve_plan`, not used by the shipped plan (see
-  :func:`reference_vlm_plan`).
+  sequence-sharded activations; used by ``reference_vlm_plan(sequence_parallel=True)``).
 * ``"replicate"`` -> :class:`ReplicateParallel`: parameters become replicated DTensors on the tp mesh, inputs and
   outputs stay plain tensors. Numerically a no-op; it makes every parameter of a module a DTensor on the same mesh,
   which is what composing TP with FSDP later expects.
 
+A style may also be a :class:`~torch.distributed.tensor.parallel.ParallelStyle` object, where a name is not
+expressive enough (a row-parallel linear whose output is reduce-scattered over the sequence, an input that is
+gathered before a module runs); the sequence-parallel reference plan uses such objects.
+
 Pairing colwise with rowwise means one all-reduce per attention / MLP in forward and one in backward; everything
-between them (head split, rotary, SDPA, GELU) runs on local shards with no communication.
+between them (head split, rotary, SDPA, GELU) runs on local shards with no communication. Sequence parallelism
+splits each all-reduce into a reduce-scatter (at the row-parallel output) and an all-gather (before the next
+column-parallel input), the same bytes on the wire, and keeps the residual stream and the norms between them
+sharded along the sequence (``1/tp`` of their activation memory); see :func:`reference_vlm_plan`.
 """
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -93,6 +103,59 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
 
 
+class _GatherSequence(ParallelStyle):
+    """Run a module with plain parameters on the whole sequence from inside a sequence-parallel region.
+
+    For a call whose first input is a DTensor (the sequence-sharded text of a fusion block), every DTensor input is
+    all-gathered and handed to the module as a plain tensor, and the module's first output ``(R, L, D)`` is split
+    back to the first input's placements (a local chunk, no communication; its backward all-gathers the gradient,
+    so every tp rank backpropagates the same full gradient through the module). A call with plain tensors (the
+    media tokens, which are whole on every tp rank) passes through untouched.
+
+    Used for :class:`~lightning_mm.models.vlm.ModalityExperts`: its parameters are plain tensors (expert
+    parallelism is a separate axis), so running it on this rank's tokens only would give each rank a gradient
+    summed over its own tokens, and its router statistics (expert counts, summed probabilities) would count only
+    those tokens. :class:`~torch.distributed.tensor.parallel.PrepareModuleInputOutput` cannot say this: one module
+    is called for sharded text and for replicated media tokens, and a static input layout would treat the media
+    tokens as a shard.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # The post-hook only sees the gathered (plain) inputs, so the pre-hook leaves the first input's placements
+        # under the id of the plain tensor it handed over. The tensor is kept in the entry: while the entry lives,
+        # no other tensor can take its id, so a call whose forward raised leaves a harmless stale entry instead of
+        # pairing a later call with the wrong placements.
+        pending: dict[int, tuple[torch.Tensor, tuple[Placement, ...]]] = {}
+
+        def gather(mod: nn.Module, args: tuple) -> tuple | None:
+            if not args or not isinstance(args[0], DTensor):
+                return None
+            gathered = tuple(
+                arg.redistribute(arg.device_mesh, [Replicate()] * arg.device_mesh.ndim).to_local()
+                if isinstance(arg, DTensor) else arg
+                for arg in args
+            )
+            pending[id(gathered[0])] = (gathered[0], tuple(args[0].placements))
+            return gathered
+
+        def scatter(mod: nn.Module, args: tuple, output: Any) -> Any:
+            entry = pending.pop(id(args[0]), None) if args else None
+            if entry is None or entry[0] is not args[0]:
+                return None  # a plain-tensor call
+            first, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
+            first = DTensor.from_local(first, device_mesh, [Replicate()], run_check=False).redistribute(
+                device_mesh, entry[1]
+            )
+            return first if rest is None else (first, *rest)
+
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(scatter)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
 def _style(name: str) -> ParallelStyle:
     if name == "colwise":
         return ColwiseParallel()
@@ -103,7 +166,7 @@ def _style(name: str) -> ParallelStyle:
     return ReplicateParallel()
 
 
-def reference_vlm_plan(sequence_parallel: bool = False) -> dict[str, str]:
+def reference_vlm_plan(sequence_parallel: bool = False) -> dict[str, str | ParallelStyle]:
     """The shipped TP plan of :class:`~lightning_mm.models.vlm.VisionLanguageModel`.
 
     Every attention (ViT, unimodal decoder, fusion self- and cross-attention) is sharded by heads: q/k/v colwise,
@@ -112,18 +175,37 @@ def reference_vlm_plan(sequence_parallel: bool = False) -> dict[str, str]:
     fc2 rowwise. Left replicated (plain tensors): patch / token embeddings, projector, norms, pooling heads, the
     LM head, and the stacked modality experts (expert parallelism is a separate axis).
 
-    ``sequence_parallel=True`` is not implemented: the segment-id attention masks and the rotary tables are built
-    from the full sequence inside the model's forward, so sharding the norms by sequence needs gather / scatter
-    hooks at every attention boundary (and at the segment pooling); until that exists, asking for it raises
-    rather than silently training without it.
+    ``sequence_parallel=True`` (Megatron-LM's sequence parallelism, as torchtitan applies it) additionally keeps
+    the *residual stream* of every transformer block sharded along the sequence, dim 1 of ``(R, L, D)``, as a
+    ``Shard(1)`` DTensor on the tp mesh:
+
+    * **Sharded** (``(R, L/tp, D)`` per rank): the hidden states between and inside the ViT blocks (patches), the
+      unimodal decoder layers and the fusion layers (text tokens), and the norms that read them (``attn_norm``,
+      ``mlp_norm``, ``self_attn_norm``, ``cross_attn_norm``, ``text_ffn_norm``, ``vision.norm``, ``norm``;
+      ``"sequence"`` style, weights become replicated DTensors whose gradients DTensor sums over the shards).
+      The first block of each stack keeps only this rank's chunk of its whole input (no communication). Before
+      q/k/v and fc1 the sequence is all-gathered once per attention / MLP (:class:`PrepareModuleInput`), and
+      o_proj / fc2 reduce-scatter onto the sequence shards (``RowwiseParallel(output_layouts=Shard(1))``)
+      instead of all-reducing. Sequence lengths need not be divisible by tp: the residual stream stays a DTensor
+      (``use_local_output=False``), which carries the global length, and DTensor shards unevenly like
+      ``torch.chunk`` (a rank may hold zero tokens when ``L < tp``).
+    * **Whole on every tp rank** (plain tensors): attention masks, rotary tables and segment ids (attention
+      runs on the gathered sequence, so they need no slicing); the embeddings (run once on the whole sequence,
+      then sharded: their plain parameters get the full gradient); the vision encoder's output (gathered after
+      ``vision.norm``: segment max-pooling, the projector and the media tokens need every patch); the pooled
+      text embedding (gathered before ``text_pool_norm``: the caption's last token may live on another rank);
+      the media stream of the fusion layers (keys / values of cross-attention, media experts); the modality
+      experts on text (:class:`_GatherSequence`: their parameters are plain and their routing statistics must
+      count every token); the LM head (gathered before it; the loss reads every position's logits).
+    * The cross-attention's gated residual (:class:`~lightning_mm.models.vlm.GatedResidual`) receives the gate
+      parameter as a replicated DTensor, so its gradient (a sum over this rank's tokens) is all-reduced over
+      the tp ranks, and the has-key mask is split like the text.
+
+    SP norms wrap their weights with ``DTensor.from_local`` (no broadcast, as torch's ``SequenceParallel``
+    documents), so every tp rank must hold the same norm weights when the plan is applied (same seed or the same
+    checkpoint), as for every other replicated parameter here.
     """
-    if sequence_parallel:
-        raise NotImplementedError(
-            "reference_vlm_plan(sequence_parallel=True) is not implemented yet: the reference VLM builds its "
-            "segment-id attention masks and rotary tables from the full sequence, so sequence-sharded norms "
-            "would need gather/scatter at every attention boundary; use sequence_parallel=False"
-        )
-    plan: dict[str, str] = {}
+    plan: dict[str, str | ParallelStyle] = {}
     attention_prefixes = (
         "vision.blocks.*.attn",
         "unimodal_layers.*.attn",
@@ -137,36 +219,107 @@ def reference_vlm_plan(sequence_parallel: bool = False) -> dict[str, str]:
     for prefix in ("vision.blocks.*.mlp", "unimodal_layers.*.mlp"):
         plan[f"{prefix}.fc1"] = "colwise"
         plan[f"{prefix}.fc2"] = "rowwise"
+    if sequence_parallel:
+        plan.update(_sequence_parallel_entries(plan))
     return plan
 
 
-def _check_module_type(pattern: str, fqn: str, style: str, module: nn.Module) -> None:
-    if style in ("colwise", "rowwise") and not isinstance(module, nn.Linear):
+def _gather_first_input(arity: int) -> PrepareModuleInput:
+    """All-gather a module's first positional input (the sequence-sharded hidden states) to the whole sequence.
+
+    The result stays a replicated DTensor, so q/k/v (or fc1) share one all-gather and their Partial input
+    gradients are summed before one reduce-scatter in backward. The other ``arity - 1`` positional inputs (masks,
+    rotary tables) are whole already and pass through.
+    """
+    rest = (None,) * (arity - 1)
+    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+
+
+def _sequence_parallel_entries(plan: dict[str, str | ParallelStyle]) -> dict[str, str | ParallelStyle]:
+    sequence = Shard(1)
+    entries: dict[str, str | ParallelStyle] = {
+        # Row-parallel outputs: reduce-scatter onto the sequence shards; a DTensor, so uneven lengths keep their
+        # global size through the residual adds.
+        pattern: RowwiseParallel(output_layouts=sequence, use_local_output=False)
+        for pattern, style in plan.items()
+        if style == "rowwise"
+    }
+    # Enter: the embeddings' output is whole on every rank; the first block keeps this rank's chunk. Later blocks
+    # receive the DTensor of the block before. Inputs: (x, mask[, rotary]).
+    entries["vision.blocks.0"] = PrepareModuleInput(
+        input_layouts=(Replicate(), None), desired_input_layouts=(sequence, None)
+    )
+    entries["unimodal_layers.0"] = PrepareModuleInput(
+        input_layouts=(Replicate(), None, None), desired_input_layouts=(sequence, None, None)
+    )
+    for block in ("vision.blocks.*", "unimodal_layers.*"):
+        entries[f"{block}.attn_norm"] = "sequence"
+        entries[f"{block}.attn"] = _gather_first_input(3)  # (x, mask, rotary)
+        entries[f"{block}.mlp_norm"] = "sequence"
+        entries[f"{block}.mlp"] = _gather_first_input(1)
+    for norm in ("self_attn_norm", "cross_attn_norm", "text_ffn_norm"):
+        entries[f"fusion_layers.*.{norm}"] = "sequence"
+    entries["fusion_layers.*.self_attn"] = _gather_first_input(3)  # (x, mask, rotary)
+    # (x, mask); the keyword input context (media tokens, keys / values) is whole and passes through.
+    entries["fusion_layers.*.cross_attn"] = _gather_first_input(2)
+    # (x, update, gate, keep): x and update arrive as Shard(1) DTensors.
+    entries["fusion_layers.*.gated_residual"] = PrepareModuleInput(
+        input_layouts=(None, None, Replicate(), Replicate()),
+        desired_input_layouts=(None, None, Replicate(), sequence),
+    )
+    entries["fusion_layers.*.experts"] = _GatherSequence()
+    # Leave: whole sequences for pooling, the projector / media tokens and the LM head.
+    entries["vision.norm"] = "sequence"
+    entries["vision"] = PrepareModuleOutput(
+        output_layouts=sequence, desired_output_layouts=Replicate(), use_local_output=True
+    )
+    entries["text_pool_norm"] = PrepareModuleInput(
+        input_layouts=sequence, desired_input_layouts=Replicate(), use_local_output=True
+    )
+    entries["norm"] = "sequence"
+    entries["lm_head"] = PrepareModuleInput(
+        input_layouts=sequence, desired_input_layouts=Replicate(), use_local_output=True
+    )
+    return entries
+
+
+def _describe(style: str | ParallelStyle) -> str:
+    return style if isinstance(style, str) else repr(style)
+
+
+def _check_module_type(pattern: str, fqn: str, style: str | ParallelStyle, module: nn.Module) -> None:
+    linear = style in ("colwise", "rowwise") or isinstance(style, (ColwiseParallel, RowwiseParallel))
+    if linear and not isinstance(module, nn.Linear):
         raise ValueError(
-            f"TP plan pattern {pattern!r} applies {style!r} to {fqn!r}, a {type(module).__name__}; "
-            f"{style!r} supports only nn.Linear"
+            f"TP plan pattern {pattern!r} applies {_describe(style)} to {fqn!r}, a {type(module).__name__}; "
+            f"{_describe(style)} supports only nn.Linear"
         )
-    if style == "sequence" and not isinstance(module, _SEQUENCE_TYPES):
+    if (style == "sequence" or isinstance(style, SequenceParallel)) and not isinstance(module, _SEQUENCE_TYPES):
         names = ", ".join(t.__name__ for t in _SEQUENCE_TYPES)
         raise ValueError(
-            f"TP plan pattern {pattern!r} applies 'sequence' to {fqn!r}, a {type(module).__name__}; "
-            f"'sequence' supports only {names}"
+            f"TP plan pattern {pattern!r} applies {_describe(style)} to {fqn!r}, a {type(module).__name__}; "
+            f"'sequence' (SequenceParallel) supports only {names}"
         )
 
 
-def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, ParallelStyle]:
+def resolve_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> dict[str, ParallelStyle]:
     """Expand ``plan``'s patterns against ``model.named_modules()`` into ``{fqn: ParallelStyle}``.
 
-    Raises ``ValueError`` for an unknown style, a pattern that matches no module (with the closest FQNs as a hint:
-    a typo would otherwise leave that part of the model silently unsharded), a module matched by two patterns
-    with different styles, and a style applied to a module type it cannot shard.
+    A style is one of :data:`STYLES` or a ``ParallelStyle`` object (applied as given, shared by every module
+    its pattern matches). Raises ``ValueError`` for an unknown style, a pattern that matches no module (with the
+    closest FQNs as a hint: a typo would otherwise leave that part of the model silently unsharded), a module
+    matched by two patterns with different styles, and a linear / sequence style applied to a module type it
+    cannot shard.
     """
     modules = {fqn: module for fqn, module in model.named_modules() if fqn}
-    resolved: dict[str, str] = {}
+    resolved: dict[str, str | ParallelStyle] = {}
     origin: dict[str, str] = {}
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"TP plan pattern {pattern!r} has unknown style {style!r}; known styles: {list(STYLES)}")
+        if not isinstance(style, ParallelStyle) and style not in STYLES:
+            raise ValueError(
+                f"TP plan pattern {pattern!r} has unknown style {style!r}; known styles: {list(STYLES)} "
+                "or a torch.distributed.tensor.parallel.ParallelStyle object"
+            )
         matched = [fqn for fqn in modules if fnmatch.fnmatchcase(fqn, pattern)]
         if not matched:
             close = difflib.get_close_matches(pattern, list(modules), n=5, cutoff=0.5)
@@ -174,14 +327,14 @@ def resolve_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, ParallelSt
             raise ValueError(f"TP plan pattern {pattern!r} matches nothing in {type(model).__name__}{hint}")
         for fqn in matched:
             _check_module_type(pattern, fqn, style, modules[fqn])
-            if fqn in resolved and resolved[fqn] != style:
+            if fqn in resolved and _describe(resolved[fqn]) != _describe(style):
                 raise ValueError(
-                    f"TP plan patterns {origin[fqn]!r} ({resolved[fqn]!r}) and {pattern!r} ({style!r}) "
-                    f"both match {fqn!r}"
+                    f"TP plan patterns {origin[fqn]!r} ({_describe(resolved[fqn])}) and {pattern!r} "
+                    f"({_describe(style)}) both match {fqn!r}"
                 )
             resolved[fqn] = style
             origin[fqn] = pattern
-    return {fqn: _style(style) for fqn, style in resolved.items()}
+    return {fqn: _style(style) if isinstance(style, str) else style for fqn, style in resolved.items()}
 
 
 def _check_divisibility(model: nn.Module, styles: dict[str, ParallelStyle], tp: int) -> None:
@@ -207,13 +360,30 @@ def _check_divisibility(model: nn.Module, styles: dict[str, ParallelStyle], tp: 
             check_divisible(f"{fqn}.in_features", module.in_features, "tensor_parallel", tp)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str] | None = None) -> nn.Module:
-    """Shard ``model`` in place over the 1-D ``tp_mesh`` following ``plan`` (default: :func:`reference_vlm_plan`).
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: Mapping[str, str | ParallelStyle] | None = None,
+    *,
+    sequence_parallel: bool = False,
+) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` following ``plan``; returns ``model``.
 
-    Every tp rank must see the same batch (tp ranks are not data parallel). Returns ``model``.
+    ``plan=None`` applies :func:`reference_vlm_plan` with ``sequence_parallel``. An explicit ``plan`` says itself
+    where activations are sequence-sharded (``"sequence"`` styles and ``ParallelStyle`` objects), so combining it
+    with ``sequence_parallel=True`` is an error rather than a flag that would be silently ignored.
+
+    Every tp rank must see the same batch (tp ranks are not data parallel).
     """
+    if plan is not None and sequence_parallel:
+        raise ValueError(
+            "apply_tensor_parallel: sequence_parallel=True selects the shipped plan "
+            "reference_vlm_plan(sequence_parallel=True) and cannot be combined with an explicit plan; put the "
+            "sequence-parallel styles in the plan (e.g. start from reference_vlm_plan(sequence_parallel=True)) "
+            "and pass sequence_parallel=False"
+        )
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D tp mesh, got mesh dims {tp_mesh.mesh_dim_names}")
-    styles = resolve_plan(model, reference_vlm_plan() if plan is None else plan)
+    styles = resolve_plan(model, reference_vlm_plan(sequence_parallel) if plan is None else plan)
     _check_divisibility(model, styles, tp_mesh.size())
     return parallelize_module(model, tp_mesh, styles)

@@ -166,7 +166,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             "mesh": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
                      "ep": dims.ep},
             "sequence_parallel": self.sequence_parallel,
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),  # a plain str: TorchVersion would break weights_only loading
             "lightning": pl.__version__,
             "lightning_mm": lightning_mm.__version__,
         }
@@ -214,6 +214,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if dims.tp_enabled:
             tp_mesh = dims.get_mesh("tp")
             if self.tp_plan is not None:
+                if self.sequence_parallel:
+                    raise ValueError("sequence_parallel=True applies to the shipped plan of the reference model; with "
+                                     "a user tp_plan, mark the norms 'sequence' in the plan instead")
                 apply_tensor_parallel(module, tp_mesh, self.tp_plan)
             else:
                 references = _find_reference_models(module)
@@ -223,9 +226,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
                         "VisionLanguageModel, so pass tp_plan={'fqn.pattern': 'colwise' | 'rowwise' | 'sequence' | "
                         "'replicate', ...} (patterns relative to the LightningModule) or override configure_model"
                     )
-                extra = {"sequence_parallel": True} if self.sequence_parallel else {}
                 for reference in references:
-                    apply_tensor_parallel(reference, tp_mesh, **extra)
+                    apply_tensor_parallel(reference, tp_mesh, sequence_parallel=self.sequence_parallel)
         blocks = transformer_blocks(module)
         if self.activation_checkpointing:
             apply_activation_checkpointing(blocks)
@@ -313,7 +315,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
         saved_optimizers = checkpoint.pop("optimizer_states", [])
-        if self.optimizers and len(saved_optimizers) != len(self.optimizers):
+        if not self.optimizers:  # validate / test / predict: weights only
+            saved_optimizers = []
+        elif len(saved_optimizers) != len(self.optimizers):
             raise ValueError(f"checkpoint {str(path)!r} has {len(saved_optimizers)} optimizer states, the module "
                              f"configures {len(self.optimizers)}")
         for optimizer, saved in zip(self.optimizers, saved_optimizers, strict=True):

@@ -34,8 +34,11 @@ CONFIGS: dict[str, tuple[int, dict]] = {
     "hsdp2x1": (2, {"data_parallel_replicate": 2, "data_parallel_shard": 1}),
     "hsdp1x2": (2, {"data_parallel_replicate": 1, "data_parallel_shard": 2}),
     "tp2": (2, {"tensor_parallel": 2}),
+    "tp2_sequence_parallel": (2, {"tensor_parallel": 2, "sequence_parallel": True}),
     "fsdp2_activation_checkpointing": (2, {"activation_checkpointing": True}),
     "fsdp2xtp2": (4, {"tensor_parallel": 2}),
+    "fsdp2xtp2_sequence_parallel_activation_checkpointing": (
+        4, {"tensor_parallel": 2, "sequence_parallel": True, "activation_checkpointing": True}),
     "hsdp2x2": (4, {"data_parallel_replicate": 2, "data_parallel_shard": 2}),
 }
 

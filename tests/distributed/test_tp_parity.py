@@ -3,15 +3,20 @@
 One spawn does everything: each rank first trains an unsharded copy (the reference; group=None, so no
 collective is involved), then the same initial weights sharded by :func:`apply_tensor_parallel` on the same
 batches. Every tp rank sees the whole batch (tp is not data parallel), so losses use ``group=None``.
+Plain TP is checked with SGD; sequence parallelism with AdamW over batches whose lengths are not divisible by
+tp, one of them shorter than tp (a rank holding no patch at all).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections import Counter
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mm.datamodules.stages import collate_one_per_row
 from lightning_mm.models.losses import compute_losses
@@ -21,33 +26,92 @@ from lightning_mm.parallel.plans import apply_tensor_parallel, reference_vlm_pla
 from tests.helpers import random_samples, run_distributed
 
 BATCH, STEPS, LR = 4, 3, 0.1
+SP_STEPS, SP_LR = 5, 1e-3
+SHORT_STEP = 2
+"""The sequence-parallel run's step whose batch has 1 patch slot (< tp) and 3 token slots. Not step 0: one patch
+per image makes the vision attention softmax constant, so its q/k gradients are rounding noise (~1e-8), and
+AdamW's first step would turn noise into full-size (lr) updates; later its moments are dominated by real
+gradients."""
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-def _train(model: VisionLanguageModel, batches) -> dict:
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, first_grads = [], {}
+def _train(model: VisionLanguageModel, batches, optimizer_cls=torch.optim.SGD, lr: float = LR) -> dict:
+    optimizer = optimizer_cls(model.parameters(), lr=lr)
+    losses, contrastive, first_grads = [], [], {}
     for step, batch in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
-        loss = compute_losses(model(batch), batch, group=None).total
-        loss.backward()
+        parts = compute_losses(model(batch), batch, group=None)
+        parts.total.backward()
         if step == 0:
             first_grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         optimizer.step()
-        losses.append(_full(loss).item())
+        losses.append(_full(parts.total).item())
+        contrastive.append(_full(parts.contrastive).item())
     params = {n: _full(p) for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": first_grads, "params": params}
+    return {"losses": losses, "contrastive": contrastive, "grads": first_grads, "params": params}
+
+
+class _CountCollectives(TorchDispatchMode):
+    """Counts the functional collectives DTensor issues (all_reduce, all_gather_into_tensor, ...).
+
+    Written here because ``torch.distributed.tensor.debug.CommDebugMode`` fails on this model in torch 2.13: its
+    module tracker raises ``IndexError`` in ``_fw_set_module_hook`` when a submodule runs twice in one forward
+    (the shared ``ModalityExperts`` run for text and for media), even without any parallelism.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            self.counts[func._overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _norm_input_and_collectives(model: VisionLanguageModel, batch) -> dict:
+    """Layout of the first unimodal layer's ``attn_norm`` input and the collectives of one forward."""
+    seen = {}
+
+    def record(module, args, output) -> None:
+        x = args[0]
+        seen.update(
+            dtensor=isinstance(x, DTensor),
+            placements=tuple(x.placements) if isinstance(x, DTensor) else None,
+            global_length=x.shape[1],
+            local_length=x.to_local().shape[1] if isinstance(x, DTensor) else x.shape[1],
+        )
+
+    handle = model.unimodal_layers[0].attn_norm.register_forward_hook(record)
+    with torch.no_grad(), _CountCollectives() as counter:
+        model(batch)
+    handle.remove()
+    return {**seen, "collectives": dict(counter.counts)}
+
+
+def _short_batch(samples):
+    """One patch per image (1 patch slot < tp = 2 ranks) and 3 tokens per caption (odd)."""
+    return collate_one_per_row(
+        [dataclasses.replace(s, patches=s.patches[:1], patch_pos=s.patch_pos[:1], tokens=s.tokens[:3])
+         for s in samples],
+        pad_id=0,
+    )
 
 
 def _run(rank: int, world: int) -> dict:
     torch.manual_seed(1234)  # same seed on every rank: identical initial weights
     model = VisionLanguageModel(build_config("tiny"))
     initial = copy.deepcopy(model)
-    samples = random_samples(BATCH * STEPS, seed=7)
-    batches = [collate_one_per_row(samples[i : i + BATCH], pad_id=0) for i in range(0, len(samples), BATCH)]
+    sp_initial = copy.deepcopy(model)
+    sp_reference_model = copy.deepcopy(model)
+    # The first BATCH * STEPS samples are the same whatever the count (drawn one after the other).
+    samples = random_samples(BATCH * SP_STEPS, seed=7)
+    sp_batches = [collate_one_per_row(samples[i : i + BATCH], pad_id=0) for i in range(0, len(samples), BATCH)]
+    batches = sp_batches[:STEPS]
+    sp_batches[SHORT_STEP] = _short_batch(samples[SHORT_STEP * BATCH : (SHORT_STEP + 1) * BATCH])
     reference = _train(model, batches)
 
     dims = ParallelDims.from_args(world, tensor_parallel=world)
@@ -65,6 +129,19 @@ def _run(rank: int, world: int) -> dict:
         "experts_plain": not isinstance(tp_model.fusion_layers[0].experts.w_in, DTensor),
     }
     sharded = _train(tp_model, batches)
+    tp_probe = _norm_input_and_collectives(tp_model, batches[1])  # 13 token slots: odd
+
+    # Sequence parallelism, AdamW: the reference is an unsharded copy of the same initial weights.
+    sp_reference = _train(sp_reference_model, sp_batches, torch.optim.AdamW, SP_LR)
+    sp_model = apply_tensor_parallel(sp_initial, tp_mesh, sequence_parallel=True)
+    sp = _train(sp_model, sp_batches, torch.optim.AdamW, SP_LR)
+    sp_probe = _norm_input_and_collectives(sp_model, sp_batches[1])
+    lengths = [(b.patches.shape[1], b.tokens.shape[1]) for b in sp_batches]
+    try:
+        apply_tensor_parallel(copy.deepcopy(model), tp_mesh, reference_vlm_plan(), sequence_parallel=True)
+        plan_and_sp_error = None
+    except ValueError as error:
+        plan_and_sp_error = str(error)
 
     # Replicate style: parameters become Replicate DTensors, numerics unchanged.
     torch.manual_seed(1234)
@@ -84,7 +161,9 @@ def _run(rank: int, world: int) -> dict:
         heads_error = str(error)
     return {
         "reference": reference, "tp": sharded, "layout": layout, "replicate_layout": replicate_layout,
-        "replicate_losses": replicate_losses, "heads_error": heads_error,
+        "replicate_losses": replicate_losses, "heads_error": heads_error, "tp_probe": tp_probe,
+        "sp_reference": sp_reference, "sp": sp, "sp_probe": sp_probe, "sp_lengths": lengths,
+        "plan_and_sp_error": plan_and_sp_error,
     }
 
 
@@ -136,3 +215,63 @@ def test_heads_not_divisible_by_tp_raises(results):
         message = rank_result["heads_error"]
         assert message is not None
         assert "tensor_parallel=2" in message and "heads=3" in message and "vision.blocks.0.attn" in message
+
+
+# --------------------------------------------------------------------------------------- sequence parallelism
+
+ROWWISE_LAYERS = 8
+"""o_proj of 5 attentions (2 ViT, 1 unimodal, fusion self + cross) and fc2 of 3 MLPs in the tiny preset."""
+
+
+def test_sp_batches_have_uneven_and_short_sequences(results):
+    lengths = results[0]["sp_lengths"]
+    assert lengths[SHORT_STEP] == (1, 3)  # 1 patch slot: rank 1 holds no patch
+    assert any(patches % 2 for patches, _ in lengths) and any(tokens % 2 for _, tokens in lengths)
+
+
+def test_sp_matches_one_process_with_adamw(results):
+    for rank_result in results:
+        reference, sp = rank_result["sp_reference"], rank_result["sp"]
+        assert reference["losses"][0] != reference["losses"][-1]  # training happens
+        assert all(value > 0 for value in reference["contrastive"])  # the contrastive loss is part of the total
+        torch.testing.assert_close(torch.tensor(sp["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(sp["contrastive"]), torch.tensor(reference["contrastive"]), rtol=1e-5, atol=0
+        )
+        assert set(sp["grads"]) == set(reference["grads"])
+        for name, grad in reference["grads"].items():
+            assert _relative_error(sp["grads"][name], grad) < 1e-5, name
+        # Measured after 5 steps: largest |difference| 1.2e-5 (= 0.012 * lr, in fusion_layers.0.experts.w_out),
+        # largest per-tensor relative norm error 2.2e-6. Gradients differ only by fp32 summation order (sequence
+        # shards reduced over ranks), ~1e-7 relative; AdamW divides by sqrt(v), so for elements whose gradient
+        # changes sign between steps (m near 0) the relative difference grows, but a step is bounded by ~lr.
+        for name, param in reference["params"].items():
+            torch.testing.assert_close(sp["params"][name], param, rtol=1e-5, atol=0.05 * SP_LR, msg=name)
+            assert _relative_error(sp["params"][name], param) < 1e-5, name
+    for name, param in results[0]["sp"]["params"].items():
+        assert torch.equal(param, results[1]["sp"]["params"][name]), name
+
+
+def test_sp_shards_norm_inputs_along_the_sequence(results):
+    for rank, rank_result in enumerate(results):
+        sp, tp = rank_result["sp_probe"], rank_result["tp_probe"]
+        length = sp["global_length"]
+        assert length % 2  # uneven shards: 7 and 6 tokens
+        assert sp["dtensor"] and sp["placements"] == (Shard(1),)
+        assert sp["local_length"] == len(torch.arange(length).chunk(2)[rank]) < length
+        # Without sequence parallelism the same norm reads the whole sequence as a plain tensor.
+        assert not tp["dtensor"] and tp["local_length"] == tp["global_length"] == length
+
+
+def test_sp_reduce_scatters_instead_of_all_reducing(results):
+    for rank_result in results:
+        sp, tp = rank_result["sp_probe"]["collectives"], rank_result["tp_probe"]["collectives"]
+        assert tp.get("all_reduce") == ROWWISE_LAYERS and "reduce_scatter_tensor" not in tp
+        assert sp.get("reduce_scatter_tensor") == ROWWISE_LAYERS and "all_reduce" not in sp
+        assert sp.get("all_gather_into_tensor", 0) >= ROWWISE_LAYERS  # one before each q/k/v or fc1
+
+
+def test_explicit_plan_with_sequence_parallel_raises(results):
+    for rank_result in results:
+        message = rank_result["plan_and_sp_error"]
+        assert message is not None and "sequence_parallel" in message and "plan" in message
