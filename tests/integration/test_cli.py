@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.loggers import WandbLogger
 
+from lightning_mm.checkpoint import read_topology
 from lightning_mm.cli import VLMLightningCLI, configure_wandb_mode, main
 from lightning_mm.datamodules import ImageTextWebDataModule, SimpleImageTextDataModule
 from lightning_mm.models import VLMModule
@@ -97,3 +98,19 @@ def test_make_shards_subcommand_is_wired(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "--num-train" in result.stderr
+
+
+def test_fit_with_hybrid_strategy_from_yaml_on_two_processes(tmp_path):
+    """The strategy built from YAML, Lightning's own launcher starting the second process, a DCP checkpoint."""
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(REPO / "examples/configs/tiny_hybrid.yaml"),
+         f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"],
+        cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300,
+    )
+    checkpoints = list(tmp_path.glob("**/checkpoints/*.ckpt"))
+    assert len(checkpoints) == 1 and checkpoints[0].is_dir()
+    topology = read_topology(checkpoints[0])
+    assert topology["world_size"] == 2 and topology["mesh"]["dp_shard"] == 2
+    history = read_offline_history(find_offline_runs(tmp_path)[0])
+    assert len(metric_series(history, "train/loss")) == 6

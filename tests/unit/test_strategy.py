@@ -1,0 +1,102 @@
+"""HybridParallelStrategy: registration, argument validation, and the errors a user hits, each naming the fix.
+
+The errors raised after the process group exists (precision, plans, heads) run in one 2-rank spawn; each case is
+a ``fit`` that must fail with the expected message, and the spawn returns the messages.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_mm.models import VLMModule
+from lightning_mm.strategies import HybridParallelStrategy
+from tests.helpers import random_samples, run_distributed, shard_batches
+
+
+def test_registered_as_hybrid():
+    trainer = L.Trainer(strategy="hybrid", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, HybridParallelStrategy)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tensor_parallel": 0}, "tensor_parallel must be an integer >= 1"),
+        ({"data_parallel_replicate": 1.5}, "data_parallel_replicate must be an integer >= 1"),
+        ({"data_parallel_shard": "most"}, "data_parallel_shard must be an integer >= 1 or 'auto'"),
+        ({"sequence_parallel": True}, "sequence_parallel=True needs tensor_parallel > 1"),
+        ({"tp_plan": ["q_proj"]}, "tp_plan must be a dict"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HybridParallelStrategy(**kwargs)
+
+
+def test_degrees_that_do_not_divide_the_world_fail_before_any_process_group():
+    loader = torch.utils.data.DataLoader(shard_batches(random_samples(4), 4, 0, 1), batch_size=None)
+    trainer = L.Trainer(strategy=HybridParallelStrategy(tensor_parallel=2), accelerator="cpu", devices=1,
+                        logger=False, enable_checkpointing=False, max_steps=1)
+    with pytest.raises(ValueError, match=r"world size 1 to be divisible by .*tensor_parallel"):
+        trainer.fit(VLMModule(preset="tiny"), loader)
+    assert not torch.distributed.is_initialized()
+
+
+class _PlainUserModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _failing_fits(rank: int, world: int) -> dict[str, str]:
+    vlm_batches = torch.utils.data.DataLoader(shard_batches(random_samples(4), 4, 0, 1), batch_size=None)
+    user_batches = torch.utils.data.DataLoader([torch.randn(2, 4)], batch_size=None)
+    cases = {
+        "precision": (lambda: VLMModule(preset="tiny"), HybridParallelStrategy(), "16-true", vlm_batches),
+        "no_plan": (_PlainUserModule, HybridParallelStrategy(tensor_parallel=2), "32-true", user_batches),
+        "pattern": (_PlainUserModule, HybridParallelStrategy(tensor_parallel=2, tp_plan={"net.9": "colwise"}),
+                    "32-true", user_batches),
+        "heads": (lambda: VLMModule(preset="tiny", model_overrides={"text_heads": 1}),
+                  HybridParallelStrategy(tensor_parallel=2), "32-true", vlm_batches),
+    }
+    messages = {}
+    for name, (make_module, strategy, precision, loader) in cases.items():
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, precision=precision, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            max_steps=1)
+        try:
+            trainer.fit(make_module(), loader)
+            messages[name] = "no error"
+        except ValueError as error:
+            messages[name] = str(error)
+    return messages
+
+
+@functools.cache
+def _messages() -> dict[str, str]:
+    return run_distributed(_failing_fits, 2)[0]
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("precision", r"unsupported precision='16-true'.*supported values.*bf16-mixed"),
+        ("no_plan", r"tensor_parallel=2 needs a plan.*tp_plan="),
+        ("pattern", r"TP plan pattern 'net.9' matches nothing.*closest module names"),
+        ("heads", r"tensor_parallel=2 must divide .*heads=1"),
+    ],
+)
+def test_errors_name_the_fix(case, expected):
+    assert _messages()[case] != "no error"
+    assert __import__("re").search(expected, _messages()[case]), _messages()[case]
