@@ -21,7 +21,9 @@ rule and its checkpoint loading (which rejects a model without DTensors, i.e. re
 from __future__ import annotations
 
 import logging
+import time
 import types
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -39,13 +41,32 @@ from torch import nn
 
 import lightning_mm
 from lightning_mm import checkpoint as ckpt
+from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
+from lightning_mm.models.losses import VLMLosses
 from lightning_mm.parallel.clip import clip_grad_norm_
+from lightning_mm.parallel.collectives import all_reduce_sum
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.parallel.fsdp import (
     apply_activation_checkpointing,
     apply_fsdp,
     mixed_precision_policy,
     transformer_blocks,
+)
+from lightning_mm.parallel.pipeline import (
+    SCHEDULES,
+    PipelineSplit,
+    PipelineStageModule,
+    TimelineRecorder,
+    auto_split,
+    build_schedule,
+    explicit_split,
+    idle_fraction,
+    pad_batch,
+    plot_timeline,
+    prune_model,
+    router_stats_from,
+    stage_ids_for_rank,
+    stage_inputs,
 )
 from lightning_mm.parallel.plans import apply_tensor_parallel
 
@@ -64,6 +85,36 @@ def _find_reference_models(module: nn.Module) -> list[nn.Module]:
 def _describe(mesh: dict[str, int]) -> str:
     parts = [f"{name}{size}" for name, size in mesh.items() if size > 1]
     return " x ".join(parts) if parts else "no parallelism"
+
+
+@dataclass
+class _PipelineRuntime:
+    """What one rank needs to run its pipeline stage(s) inside Lightning's steps."""
+
+    stages: list
+    split: PipelineSplit
+    microbatches: int
+    pp_group: dist.ProcessGroup
+    pp_size: int
+    config: Any
+    shape: tuple[int, int, int, int] | None
+    schedule: Any = None
+    recorder: TimelineRecorder | None = None
+    normalizers: tuple[int, int] = (0, 0)
+    loss_divisor: int = 1
+    records: list = field(default_factory=list)
+    record_step: int | None = None
+    timeline_path: str | Path | None = None
+    timeline: dict | None = None
+    strategy: Any = None
+
+    @property
+    def has_first(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -99,6 +150,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
         data_parallel_shard: int | Literal["auto"] = "auto",
         tensor_parallel: int = 1,
         sequence_parallel: bool = False,
+        pipeline_parallel: int = 1,
+        pipeline_schedule: str = "1F1B",
+        microbatches: int | None = None,
+        pipeline_split: Literal["auto"] | list[str] = "auto",
+        virtual_stages: int = 1,
+        pipeline_shape: tuple[int, int, int, int] | None = None,
         tp_plan: dict[str, str] | None = None,
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
@@ -113,7 +170,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         # config fails at construction rather than after processes have started.
         shard_for_check = 1 if data_parallel_shard in ("auto", -1) else data_parallel_shard
         for name, value in (("data_parallel_replicate", data_parallel_replicate),
-                            ("data_parallel_shard", shard_for_check), ("tensor_parallel", tensor_parallel)):
+                            ("data_parallel_shard", shard_for_check), ("tensor_parallel", tensor_parallel),
+                            ("pipeline_parallel", pipeline_parallel), ("virtual_stages", virtual_stages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1" + (" or 'auto'" if name == "data_parallel_shard"
                                                                        else "") + f", got {value!r}")
@@ -122,8 +180,28 @@ class HybridParallelStrategy(ModelParallelStrategy):
                              "ranks)")
         if tp_plan is not None and not isinstance(tp_plan, dict):
             raise ValueError(f"tp_plan must be a dict {{fqn_pattern: style}}, got {type(tp_plan).__name__}")
+        if pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {pipeline_schedule!r}")
+        if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                                         or microbatches < 1):
+            raise ValueError(f"microbatches must be an integer >= 1 or None, got {microbatches!r}")
+        if pipeline_split != "auto" and not (isinstance(pipeline_split, (list, tuple))
+                                             and all(isinstance(f, str) for f in pipeline_split)):
+            raise ValueError(f"pipeline_split must be 'auto' or a list of layer FQNs that begin stages 1.., got "
+                             f"{pipeline_split!r}")
+        if pipeline_shape is not None and (len(pipeline_shape) != 4 or any(int(v) < 1 for v in pipeline_shape)):
+            raise ValueError(f"pipeline_shape must be (rows, patches_per_row, tokens_per_row, segments_per_row), "
+                             f"got {pipeline_shape!r}")
         self._degrees = {"data_parallel_replicate": data_parallel_replicate,
-                         "data_parallel_shard": data_parallel_shard, "tensor_parallel": tensor_parallel}
+                         "data_parallel_shard": data_parallel_shard, "tensor_parallel": tensor_parallel,
+                         "pipeline_parallel": pipeline_parallel}
+        self.pipeline_schedule = pipeline_schedule
+        self.microbatches = microbatches
+        self.pipeline_split = pipeline_split
+        self.virtual_stages = virtual_stages
+        self.pipeline_shape = tuple(pipeline_shape) if pipeline_shape is not None else None
+        self._pipeline: _PipelineRuntime | None = None
+        self._timeline_request: tuple[int | None, str | Path | None] = (None, None)
         self.sequence_parallel = sequence_parallel
         self.tp_plan = tp_plan
         self.activation_checkpointing = activation_checkpointing
@@ -206,11 +284,21 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def parallelize(self, module: nn.Module, mp_policy=None) -> nn.Module:
         """Tensor parallel -> activation checkpointing -> FSDP2 / HSDP on ``module`` (a LightningModule), in place.
 
+        With ``pipeline_parallel > 1`` the model is first pruned to this rank's stage(s), then activation
+        checkpointing and FSDP2 are applied to each stage (see :meth:`_parallelize_pipeline`).
         Idempotent: a second ``fit`` / ``validate`` with the same module finds it parallelised and does nothing.
         """
         if getattr(module, "_lightning_mm_parallelized", False):
+            runtime = getattr(module, "_lightning_mm_pipeline", None)
+            if runtime is not None:  # a module pipelined by an earlier Trainer: reuse its stages and schedule
+                runtime.strategy = self
+                self._pipeline = runtime
             return module
         dims = self.parallel_dims
+        if dims.pp_enabled:
+            self._parallelize_pipeline(module, mp_policy)
+            module._lightning_mm_parallelized = True
+            return module
         if dims.tp_enabled:
             tp_mesh = dims.get_mesh("tp")
             if self.tp_plan is not None:
@@ -255,6 +343,205 @@ class HybridParallelStrategy(ModelParallelStrategy):
             apply_fsdp(child, mesh, mp_policy=mp_policy, reshard_after_forward=self.reshard_after_forward,
                        cpu_offload=self.cpu_offload, blocks=[b for b in blocks if id(b) in inside and b is not child])
 
+    # ---------------------------------------------------------------------------------------------- pipeline
+
+    def _parallelize_pipeline(self, module: nn.Module, mp_policy) -> None:
+        """Prune the reference model to this rank's stage(s), wrap each in a ``PipelineStage``, build the schedule.
+
+        Order per stage (torchtitan's): split -> activation checkpointing -> FSDP2 with
+        ``reshard_after_forward=False`` (parameters stay gathered across the microbatches of a step, and zero-bubble
+        schedules need it for correct gradients, see NOTES). Stage modules share the pruned ``module.model``'s
+        submodules, so the optimizer and checkpoints see the unsplit FQNs of this rank's layers.
+        """
+        from torch.distributed.pipelining import PipelineStage
+
+        dims = self.parallel_dims
+        model = getattr(module, "model", None)
+        references = _find_reference_models(module)
+        if len(references) != 1 or model is not references[0] or not hasattr(module, "hparams"):
+            raise ValueError(
+                "pipeline_parallel > 1 supports the reference VLMModule (a LightningModule whose `model` attribute is "
+                "the VisionLanguageModel); for another model set pipeline_parallel=1, or override configure_model and "
+                "drive torch.distributed.pipelining yourself"
+            )
+        if dims.tp_enabled:
+            raise ValueError("pipeline_parallel > 1 together with tensor_parallel > 1 is not supported yet; set one of "
+                             "them to 1")
+        config = model.config
+        num_stages = dims.pp * self.virtual_stages
+        if self.pipeline_split == "auto":
+            rows, patches, tokens = (self.pipeline_shape[:3] if self.pipeline_shape is not None
+                                     else (8, config.max_patches_per_image, 64))
+            split = auto_split(config, num_stages, rows, patches, tokens)
+        else:
+            split = explicit_split(config, self.pipeline_split, num_stages)
+        pp_mesh = dims.get_mesh("pp")
+        pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+        stage_ids = stage_ids_for_rank(pp_rank, dims.pp, self.virtual_stages)
+        prune_model(model, split, stage_ids)
+        stage_modules = [PipelineStageModule(model, split, stage) for stage in stage_ids]
+        for stage_module in stage_modules:
+            blocks = stage_module.blocks()
+            if self.activation_checkpointing:
+                apply_activation_checkpointing(blocks)
+            if dims.dp_enabled:
+                apply_fsdp(stage_module, dims.get_mesh(dims.fsdp_axes), mp_policy=mp_policy,
+                           reshard_after_forward=False, cpu_offload=self.cpu_offload, blocks=blocks)
+        stages = [PipelineStage(stage_module, stage, num_stages, self.root_device, group=pp_group)
+                  for stage_module, stage in zip(stage_modules, stage_ids, strict=True)]
+        microbatches = self.microbatches or num_stages
+        runtime = _PipelineRuntime(stages=stages, split=split, microbatches=microbatches, pp_group=pp_group,
+                                   pp_size=dims.pp, config=config, shape=self.pipeline_shape)
+        runtime.strategy = self
+        # The loss goes through runtime.strategy so that a later Trainer (fit, then validate) reuses the schedule.
+        runtime.schedule = build_schedule(stages, self.pipeline_schedule, microbatches,
+                                          lambda output, target: runtime.strategy._pipeline_loss(output, target))
+        runtime.recorder = TimelineRecorder(stages)
+        self._pipeline = runtime
+        module._lightning_mm_pipeline = runtime
+        if dims.coordinates(self.global_rank)["dp"] == 0:
+            log.info("pipeline rank %d holds stage(s) %s: %s", pp_rank, stage_ids,
+                     [split.stage_units(s) for s in stage_ids])
+
+    @property
+    def pipeline(self) -> _PipelineRuntime | None:
+        """Stages, schedule and timeline of this rank (None without pipeline parallelism)."""
+        return self._pipeline
+
+    def _pipeline_loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        """The schedule's ``loss_fn``: one microbatch's share of the batch loss (see :meth:`_run_pipeline`)."""
+        from lightning_mm.models.losses import compute_losses
+        from lightning_mm.models.vlm import VLMOutput
+
+        runtime = self._pipeline
+        logits, image_embeds, text_embeds, scale, counts, probs, pairs = output
+        stats = router_stats_from(counts, probs, runtime.config)
+        # compute_losses reads labels and the contrastive pairs ((sample_ids >= 0) & has_image) from the batch.
+        pairs = pairs.bool()
+        batch = types.SimpleNamespace(labels=target, sample_ids=torch.where(pairs, 0, -1), has_image=pairs)
+        hparams = self.lightning_module.hparams
+        losses = compute_losses(
+            VLMOutput(logits, image_embeds, text_embeds, scale[0], stats), batch,
+            contrastive_weight=hparams.contrastive_weight, moe_aux_weight=hparams.moe_aux_weight,
+            group=self.data_parallel_group, normalizers=runtime.normalizers, moe_aux_divisor=runtime.microbatches,
+        )
+        runtime.records.append(torch.stack([losses.total, losses.caption, losses.contrastive,
+                                            losses.moe_aux]).detach().float())
+        return losses.total / runtime.loss_divisor
+
+    def _fixed_shape(self, batch: MultimodalBatch) -> MultimodalBatch:
+        runtime = self._pipeline
+        if runtime.shape is None:  # the first batch fixes the shape (rows, patches, tokens, segments)
+            runtime.shape = (batch.num_rows, batch.patches.shape[1], batch.tokens.shape[1], batch.segment_slots)
+            argument = "pipeline_shape (taken from the first batch)"
+        else:
+            argument = "pipeline_shape"
+        if runtime.shape[0] % runtime.microbatches:
+            raise ValueError(f"a batch of {runtime.shape[0]} rows does not split into microbatches="
+                             f"{runtime.microbatches}; choose microbatches dividing the per-rank batch size or set "
+                             "pipeline_shape with a divisible row count")
+        return pad_batch(batch, runtime.shape, argument)
+
+    def _run_pipeline(self, batch: MultimodalBatch, train: bool, loss_divisor: int) -> VLMLosses:
+        """Run the schedule on ``batch`` (this rank's data-parallel share); every rank gets the last stage's losses.
+
+        Objective: each microbatch's caption and contrastive sums are divided by the *whole batch's* global counts
+        (caption tokens, image-text pairs over the dp group), so the microbatch losses sum to the batch loss; the
+        contrastive negatives (gathered over dp) and the expert balance loss are per microbatch, the latter divided
+        by the number of microbatches (a mean). A one-process run with the same microbatch split gives the same.
+        """
+        runtime = self._pipeline
+        batch = self._fixed_shape(batch)
+        pairs = (batch.sample_ids >= 0) & batch.has_image
+        counts = torch.stack([(batch.labels != IGNORE_INDEX).sum(), pairs.sum()]).to(torch.float64)
+        counts = all_reduce_sum(counts, self.data_parallel_group)
+        runtime.normalizers = (int(counts[0]), int(counts[1]))
+        runtime.loss_divisor = loss_divisor
+        runtime.records = []
+        args = stage_inputs(batch) if runtime.has_first else ()
+        if train:
+            with self.precision_plugin.train_step_context():
+                runtime.schedule.step(*args, target=batch.labels)
+        else:
+            # Lightning validates under inference_mode; the schedule's receive buffers are ordinary tensors.
+            with torch.inference_mode(False), torch.no_grad(), self.precision_plugin.val_step_context():
+                runtime.schedule.eval(*[a.clone() for a in args], target=batch.labels.clone())
+        values = torch.zeros(4)
+        if runtime.has_last:
+            values = torch.stack(runtime.records[-runtime.microbatches:]).sum(dim=0)
+        if runtime.pp_size > 1:
+            dist.broadcast(values, group=runtime.pp_group, group_src=runtime.pp_size - 1)
+        return VLMLosses(values[0], values[1], values[2], values[3], *runtime.normalizers)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pipeline parallelism the schedule runs forward + backward here and the module's ``training_step`` is
+        not called; the strategy logs ``train/loss`` (and its parts) through the module's ``_log_losses``."""
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        trainer = module.trainer
+        batch, batch_idx = args[0], args[1]
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            # Lightning's own zero_grad is skipped with its backward (fit_loop._skip_backward, set in on_train_start).
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+        runtime = self._pipeline
+        runtime.record_step, runtime.timeline_path = self._timeline_request
+        runtime.recorder.enabled = runtime.record_step is not None and trainer.global_step == runtime.record_step
+        step_start = time.perf_counter()
+        losses = self._run_pipeline(batch, train=True, loss_divisor=accumulate)
+        if runtime.recorder.enabled:
+            runtime.recorder.enabled = False
+            self._collect_timeline(step_start)
+        module._log_losses("train", losses, max(batch.num_samples, 1), on_step=True)
+        # Lightning divides this by accumulate_grad_batches for its records, as for a module's own loss.
+        return losses.total
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        batch = args[0]
+        losses = self._run_pipeline(batch, train=False, loss_divisor=1)
+        # Token accuracy, perplexity and recall need logits / embeddings on every rank; under pipeline parallelism
+        # only the losses are logged.
+        self.lightning_module._log_losses("val", losses, max(batch.num_samples, 1), on_step=False)
+        return None
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._pipeline is not None:
+            # The schedule has run backward inside training_step: Lightning must neither zero the gradients after it
+            # (its closure's zero_grad would silently discard them) nor run its own backward.
+            self.lightning_module.trainer.fit_loop._skip_backward = True
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._pipeline is not None:
+            self.lightning_module.trainer.fit_loop._skip_backward = False
+
+    def record_timeline(self, step: int, path: str | Path | None = None) -> None:
+        """Record the start / end of every forward and backward chunk on every rank at optimizer step ``step``; rank
+        0 of the first pipeline draws them to ``path`` (PNG). The result lands in ``pipeline.timeline``."""
+        if self._degrees["pipeline_parallel"] == 1:
+            raise ValueError("record_timeline needs pipeline_parallel > 1")
+        self._timeline_request = (step, path)
+
+    def _collect_timeline(self, step_start: float) -> None:
+        runtime = self._pipeline
+        events = [e for e in runtime.recorder.events if e[3] >= step_start]
+        runtime.recorder.events.clear()
+        gathered: list[Any] = [None] * runtime.pp_size
+        dist.all_gather_object(gathered, events, group=runtime.pp_group)
+        p, m = runtime.pp_size, runtime.microbatches
+        runtime.timeline = {"events": gathered, "idle_fraction": idle_fraction(gathered),
+                            "theory": (p - 1) / (m + p - 1), "schedule": self.pipeline_schedule,
+                            "microbatches": m, "pp": p}
+        if runtime.timeline_path is not None and self.global_rank == 0:
+            plot_timeline(gathered, runtime.timeline_path,
+                          f"{self.pipeline_schedule} pp={p} m={m}: idle {runtime.timeline['idle_fraction']:.2f} "
+                          f"(theory {runtime.timeline['theory']:.2f})")
+
     # ---------------------------------------------------------------------------------------------- clipping
 
     def _route_clipping_through_mesh(self) -> None:
@@ -269,7 +556,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)
 
     def norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """Groups whose ranks hold different parameters (beyond the DTensor meshes): none yet (pp, ep later)."""
+        """Groups whose ranks hold different parameters (beyond the DTensor meshes): the pipeline stages."""
+        if self._pipeline is not None and self._pipeline.pp_size > 1:
+            return (self._pipeline.pp_group,)
         return ()
 
     # ---------------------------------------------------------------------------------------------- checkpoints
