@@ -20,6 +20,7 @@ rule and its checkpoint loading (which rejects a model without DTensors, i.e. re
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 import types
@@ -68,7 +69,7 @@ from lightning_mm.parallel.pipeline import (
     stage_ids_for_rank,
     stage_inputs,
 )
-from lightning_mm.parallel.plans import apply_tensor_parallel
+from lightning_mm.parallel.plans import apply_tensor_parallel, reference_vlm_plan
 
 __all__ = ["HybridParallelStrategy"]
 
@@ -364,9 +365,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "the VisionLanguageModel); for another model set pipeline_parallel=1, or override configure_model and "
                 "drive torch.distributed.pipelining yourself"
             )
-        if dims.tp_enabled:
-            raise ValueError("pipeline_parallel > 1 together with tensor_parallel > 1 is not supported yet; set one of "
-                             "them to 1")
+        if dims.tp_enabled and self.sequence_parallel:
+            raise ValueError("pipeline_parallel > 1 with sequence_parallel=True is not supported yet (the sequence-"
+                             "parallel plan shards and gathers at the model's entry and exit, which a stage may not "
+                             "hold); use sequence_parallel=False")
         config = model.config
         num_stages = dims.pp * self.virtual_stages
         if self.pipeline_split == "auto":
@@ -379,6 +381,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
         pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
         stage_ids = stage_ids_for_rank(pp_rank, dims.pp, self.virtual_stages)
         prune_model(model, split, stage_ids)
+        if dims.tp_enabled:
+            # The shipped plan, restricted to the layers this rank's stages still hold (patterns for pruned layers
+            # would otherwise "match nothing"). Stage boundaries carry plain tensors, replicated over tp.
+            present = [name for name, _ in model.named_modules()]
+            plan = {pattern: style for pattern, style in reference_vlm_plan().items()
+                    if any(fnmatch.fnmatchcase(name, pattern) for name in present)}
+            apply_tensor_parallel(model, dims.get_mesh("tp"), plan)
         stage_modules = [PipelineStageModule(model, split, stage) for stage in stage_ids]
         for stage_module in stage_modules:
             blocks = stage_module.blocks()

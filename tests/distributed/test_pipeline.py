@@ -39,11 +39,13 @@ CONFIGS: dict[str, tuple[int, dict, int, int, float | None]] = {
     "1f1b_accumulate2": (2, {"pipeline_schedule": "1F1B"}, 4, 2, None),
     "interleaved1f1b_v2_clip": (2, {"pipeline_schedule": "Interleaved1F1B", "virtual_stages": 2}, 4, 1, CLIP),
     "1f1b_fsdp2_clip_accumulate2": (4, {"pipeline_schedule": "1F1B"}, 2, 2, CLIP),
+    "1f1b_tp2_clip": (4, {"pipeline_schedule": "1F1B", "tensor_parallel": 2}, 4, 1, CLIP),
 }
 
 
-def _dp(world: int) -> int:
-    return world // 2
+def _dp(name: str) -> int:
+    world, kwargs = CONFIGS[name][0], CONFIGS[name][1]
+    return world // (2 * kwargs.get("tensor_parallel", 1))
 
 
 def _batches(dp_rank: int, dp: int, accumulate: int) -> list[MultimodalBatch]:
@@ -70,8 +72,8 @@ class MicrobatchedVLM(VLMModule):
         return total
 
 
-def _reference_batches(world: int, microbatches: int, accumulate: int) -> list[list[MultimodalBatch]]:
-    dp = _dp(world)
+def _reference_batches(name: str, microbatches: int, accumulate: int) -> list[list[MultimodalBatch]]:
+    dp = _dp(name)
     shards = [_batches(r, dp, accumulate) for r in range(dp)]
     out = []
     for step_shards in zip(*shards, strict=True):
@@ -112,8 +114,9 @@ def _fit(rank: int, world: int, name: str, broken: bool = False) -> dict:
     cls = _NoBackwardStrategy if broken else HybridParallelStrategy
     strategy = cls(pipeline_parallel=2, microbatches=microbatches, **kwargs)
     recorder = LossRecorder()
-    dp = _dp(world)
-    batches = _batches(rank % dp, dp, accumulate)  # mesh (pp, dp): rank = pp_index * dp + dp_index
+    dp = _dp(name)
+    tp = kwargs.get("tensor_parallel", 1)
+    batches = _batches((rank // tp) % dp, dp, accumulate)  # mesh (pp, dp, tp): rank = (pp * dp + dp_index) * tp + t
     trainer = _trainer(world, strategy, accumulate, clip, [recorder])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     params = {n: _full(p) for n, p in module.model.named_parameters()}
@@ -139,7 +142,7 @@ def _reference(name: str) -> dict:
     L.seed_everything(SEED, verbose=False)
     module = MicrobatchedVLM(preset="tiny", warmup_steps=1, learning_rate=3e-3, model_overrides=OVERRIDES)
     recorder = LossRecorder()
-    loader = torch.utils.data.DataLoader(_reference_batches(world, microbatches, accumulate), batch_size=None)
+    loader = torch.utils.data.DataLoader(_reference_batches(name, microbatches, accumulate), batch_size=None)
     _trainer(1, "auto", accumulate, clip, [recorder]).fit(module, train_dataloaders=loader)
     return {"losses": recorder.losses, "params": {n: _full(p) for n, p in module.model.named_parameters()}}
 
