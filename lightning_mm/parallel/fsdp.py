@@ -160,7 +160,10 @@ def apply_fsdp(
         mp_policy: e.g. from :func:`mixed_precision_policy`; ``None`` means full precision.
         reshard_after_forward: free the gathered block parameters after forward and gather again in backward
             (ZeRO-3); ``False`` keeps them until backward (ZeRO-2-like: more memory, one all-gather less).
-            The root is never resharded after forward by FSDP2, whatever this says (backward starts with it).
+            Applies to the blocks only: the root unit is kept gathered between forward and backward (backward starts
+            with it), which FSDP2 does only for ``reshard_after_forward=None``; an explicit ``True`` on the root
+            would free it and all-gather it again at the start of backward (measured: one extra all-gather per
+            step, benchmarks/strategy_overhead.py).
         cpu_offload: keep the sharded parameters, gradients and optimizer step on the CPU (``CPUOffloadPolicy``);
             memory is pinned only when CUDA exists (pinning needs it).
         blocks: modules to shard individually instead of :func:`transformer_blocks`; must be submodules of
@@ -188,5 +191,5 @@ def apply_fsdp(
     # root unit holds only the leftovers (embeddings, heads, norms, logit_scale).
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **config)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **config)
+    fully_shard(model, reshard_after_forward=None if reshard_after_forward else False, **config)
     return model
