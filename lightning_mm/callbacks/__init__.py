@@ -1,5 +1,21 @@
 """Lightning callbacks, one concern per file (compression, consistency checks, guards, statistics)."""
 
 from lightning_mm.callbacks.padding_stats import PaddingStats
+from lightning_mm.callbacks.pipeline_timeline import PipelineTimeline
+from lightning_mm.callbacks.reliability import (
+    BadBatchError,
+    BadBatchGuard,
+    GradientConsistencyCheck,
+    GradientMismatchError,
+    RankWatchdog,
+)
 
-__all__ = ["PaddingStats"]
+__all__ = [
+    "BadBatchError",
+    "BadBatchGuard",
+    "GradientConsistencyCheck",
+    "GradientMismatchError",
+    "PaddingStats",
+    "PipelineTimeline",
+    "RankWatchdog",
+]
