@@ -74,6 +74,7 @@ def configure_wandb_mode(environ: dict[str, str] = os.environ) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "make-shards":
         from lightning_mm.datamodules.synthetic import make_shards_main
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
         VLMModule,
         L.LightningDataModule,
         subclass_mode_data=True,
-        args=argv,
+        # None when the arguments are the process's own: LightningCLI then reads sys.argv itself and does not warn
+        # that `args` is meant for programmatic use (it did on every torchrun launch).
+        args=None if from_command_line else argv,
         save_config_kwargs={"overwrite": True},
     )
 
