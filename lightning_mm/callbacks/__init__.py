@@ -1,5 +1,6 @@
 """Lightning callbacks, one concern per file (compression, consistency checks, guards, statistics)."""
 
+from lightning_mm.callbacks.compression import CompressedAllToAll
 from lightning_mm.callbacks.padding_stats import PaddingStats
 from lightning_mm.callbacks.pipeline_timeline import PipelineTimeline
 from lightning_mm.callbacks.reliability import (
@@ -13,6 +14,7 @@ from lightning_mm.callbacks.reliability import (
 __all__ = [
     "BadBatchError",
     "BadBatchGuard",
+    "CompressedAllToAll",
     "GradientConsistencyCheck",
     "GradientMismatchError",
     "PaddingStats",

@@ -1,0 +1,219 @@
+"""``CompressedAllToAll``: data-parallel gradient sync through Top-k + INT8 codecs with error feedback.
+
+Thin Lightning glue over :mod:`lightning_mm.parallel.compression` (the codecs, the compressed collectives, the DDP
+comm hook and the FSDP2 custom reduce-scatter live there and work in a hand-written loop too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mm.parallel.compression import (
+    CodecConfig,
+    GradCompressionState,
+    register_ddp_compression,
+    register_fsdp_compression,
+)
+
+__all__ = ["CompressedAllToAll"]
+
+_TARGETS = ("grad", "moe")
+_STATE_VERSION = 1
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class CompressedAllToAll(pl.Callback):
+    """Compress the data-parallel gradient exchange: Top-k sparsification + INT8 (or INT4) block quantization,
+    with per-rank error-feedback residuals kept in checkpoints.
+
+    ``targets=("grad",)``:
+
+    * under DDP (``strategy="ddp"``) a DDP comm hook replaces each bucket's all-reduce by a compressed
+      reduce-scatter (ZeRO++ qgZ style: quantize on the wire, dequantize, sum in fp32) and a compressed all-gather
+      of the reduced chunks; each parameter is encoded on its own (per-tensor Top-k). Lightning's own
+      ``DDPStrategy(ddp_comm_hook=...)`` registers hooks on CUDA only, so this callback registers on the wrapped
+      model itself in ``on_fit_start`` (CPU / gloo included);
+    * under FSDP2 (``HybridParallelStrategy``, Lightning's ``ModelParallelStrategy``) every FSDP unit gets a custom
+      reduce-scatter (``FSDPModule.set_custom_reduce_scatter``, feature-detected). With HSDP the all-reduce over
+      the replicate axis that follows stays uncompressed.
+
+    ``targets=("moe",)`` (expert dispatch / combine) needs expert parallelism, which does not exist yet: setup
+    raises. (For activations error feedback would mean little: rows are different tokens every step.)
+
+    Logged every optimizer step (this rank's values, under ``compression/``): ``bytes_before`` (what the same
+    collectives move off this rank uncompressed: ``2 (world - 1) / world`` of the gradient bytes for DDP, the
+    ring all-reduce volume; ``(world - 1) / world`` for FSDP2's reduce-scatter), ``bytes_after`` (what really
+    leaves: payloads with indices, scales, headers, padding and size words), ``ratio``, ``encode_ms``,
+    ``decode_ms``, ``break_even_gbit_s`` (``B* = S (1 - 1/r) / T_c``: compression pays on links slower than this),
+    ``raw_nonfinite`` (payloads sent uncompressed because they held NaN / Inf) and ``active``.
+
+    Checkpoints: residuals are per rank. Lightning writes a callback's state from rank 0 only, so
+    :meth:`state_dict` gathers every rank's residuals to rank 0 (a collective: every rank must save, as
+    ``Trainer.save_checkpoint`` requires anyway) and :meth:`load_state_dict` picks this rank's. Resuming on a
+    different number of ranks restarts the residuals from zero, with a warning.
+
+    Args:
+        topk_ratio: fraction of each gradient tensor's elements sent, in ``(0, 1]``; ``1.0`` is dense quantization.
+        bits: 8 or 4 bits per sent value.
+        error_feedback: add what was not sent to the next step's gradient (keeps Top-k training on track).
+        targets: ``"grad"`` and/or ``"moe"`` (see above).
+        min_numel: tensors with fewer elements go uncompressed (DDP: parameters inside a bucket, and buckets;
+            FSDP2: per-rank chunks of a unit).
+        warmup_steps: optimizer steps at the start with uncompressed sync.
+        block_size: elements sharing one quantization scale.
+        scale_dtype: ``"float32"`` or ``"bfloat16"`` scales.
+    """
+
+    def __init__(
+        self,
+        topk_ratio: float = 0.01,
+        bits: Literal[4, 8] = 8,
+        error_feedback: bool = True,
+        targets: Sequence[Literal["grad", "moe"]] = ("grad",),
+        min_numel: int = 1024,
+        warmup_steps: int = 0,
+        block_size: int = 128,
+        scale_dtype: Literal["float32", "bfloat16"] = "float32",
+    ) -> None:
+        targets = (targets,) if isinstance(targets, str) else tuple(targets)
+        if not targets or any(t not in _TARGETS for t in targets):
+            raise ValueError(f"targets must be a non-empty subset of {_TARGETS}, got {targets!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        # CodecConfig validates the codec arguments with errors that use these same names.
+        self.config = CodecConfig(bits=bits, block_size=block_size, topk_ratio=topk_ratio, scale_dtype=scale_dtype,
+                                  min_numel=min_numel)
+        self.targets = targets
+        self.warmup_steps = warmup_steps
+        self.error_feedback = bool(error_feedback)
+        self.state = GradCompressionState(self.config, error_feedback=self.error_feedback)
+        self.registered: Literal["ddp", "fsdp2"] | None = None
+        """Where the codec was installed at the last ``fit`` (None: nothing to compress)."""
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if "moe" in self.targets:
+            raise ValueError(
+                f"CompressedAllToAll(targets={self.targets!r}): 'moe' compresses the expert dispatch / combine "
+                "all-to-all, which needs expert parallelism (expert_parallel > 1); lightning-mm does not provide "
+                "expert parallelism yet, so use targets=('grad',)"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After strategy.setup (the model is wrapped / sharded by now) and before the first backward.
+        self.registered = None
+        self.state.stats.reset()
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            try:
+                register_ddp_compression(model, self.state)
+            except RuntimeError as error:
+                if "only be called once" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "CompressedAllToAll cannot install its DDP comm hook: the model already has one (e.g. from "
+                    "DDPStrategy(ddp_comm_hook=...)); DDP allows a single hook, so use one or the other"
+                ) from error
+            self.registered = "ddp"
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in pl_module.modules()):
+            try:
+                register_fsdp_compression(pl_module, self.state)
+            except RuntimeError as error:
+                raise RuntimeError(f"CompressedAllToAll: FSDP2 gradient compression unavailable: {error}") from error
+            self.registered = "fsdp2"
+            return
+        data_parallel = getattr(trainer.strategy, "data_parallel_size", trainer.world_size)
+        if data_parallel == 1:
+            rank_zero_warn("CompressedAllToAll: no data-parallel gradient sync to compress (one data-parallel rank); "
+                           "the callback does nothing")
+            return
+        raise RuntimeError(
+            f"CompressedAllToAll(targets=('grad',)) compresses the gradient sync of DDP (strategy='ddp') or FSDP2 "
+            f"(HybridParallelStrategy, ModelParallelStrategy); {type(trainer.strategy).__name__} uses neither. "
+            "Switch the strategy or remove the callback"
+        )
+
+    # ------------------------------------------------------------------------------------------------ steps
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # global_step is the same on every rank, so all ranks switch on at the same step (they must agree).
+        self.state.active = trainer.global_step >= self.warmup_steps
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        stats = self.state.stats
+        if self.registered is None or stats.calls + stats.uncompressed_calls == 0:
+            return  # nothing synced this batch (gradient accumulation, or nothing installed)
+        pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
+        stats.reset()
+        resets = self.state.feedback.resets + self.state.gather_feedback.resets
+        if resets:
+            rank_zero_warn(f"CompressedAllToAll: residuals of {sorted(set(resets))[:5]} had another shape than the "
+                           "gradients (checkpoint from another model or layout) and restarted from zero")
+            self.state.feedback.resets.clear()
+            self.state.gather_feedback.resets.clear()
+
+    def metrics(self) -> dict[str, float]:
+        """What :meth:`on_train_batch_end` logs, from the counters of the current step."""
+        stats = self.state.stats
+        return {
+            "compression/bytes_before": float(stats.bytes_before),
+            "compression/bytes_after": float(stats.bytes_after),
+            "compression/ratio": stats.ratio,
+            "compression/encode_ms": 1e3 * stats.encode_seconds,
+            "compression/decode_ms": 1e3 * stats.decode_seconds,
+            "compression/break_even_gbit_s": 8e-9 * stats.break_even_bytes_per_second,
+            "compression/raw_nonfinite": float(stats.raw_nonfinite),
+            "compression/active": float(self.state.active),
+        }
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's residuals, gathered to rank 0 (collective when more than one process).
+
+        ``{"version", "world_size", "residuals_by_rank": [rank 0's, rank 1's, ...]}``; other ranks return
+        ``residuals_by_rank=None`` (Lightning saves rank 0's dict only).
+        """
+        world, rank = _world()
+        local = self.state.residual_state() if self.error_feedback else {}
+        if world == 1:
+            by_rank: list[Any] | None = [local]
+        else:
+            by_rank = [None] * world if rank == 0 else None
+            dist.gather_object(local, by_rank, dst=0)
+        return {"version": _STATE_VERSION, "world_size": world, "residuals_by_rank": by_rank}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        by_rank = state_dict.get("residuals_by_rank")
+        if not self.error_feedback or by_rank is None:
+            return
+        world, rank = _world()
+        if len(by_rank) != world:
+            rank_zero_warn(f"CompressedAllToAll: the checkpoint holds error-feedback residuals of {len(by_rank)} "
+                           f"rank(s), this run has {world}; residuals restart from zero")
+            return
+        self.state.load_residual_state(by_rank[rank])
+
+    def residual_norm(self) -> float:
+        """L2 norm of this rank's residuals (all keys); 0 without error feedback."""
+        norms = [r.float().norm() ** 2 for fb in (self.state.feedback, self.state.gather_feedback)
+                 for r in fb.state_dict().values()]
+        return float(torch.stack(norms).sum().sqrt()) if norms else 0.0

@@ -1,0 +1,251 @@
+"""Codecs of lightning_mm.parallel.compression without a process group: error bounds, Top-k, error feedback,
+NaN / Inf handling, wire format and byte accounting; CompressedAllToAll argument checks."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mm.callbacks.compression import CompressedAllToAll
+from lightning_mm.parallel.compression import (
+    CodecConfig,
+    CommStats,
+    Encoded,
+    ErrorFeedback,
+    Mode,
+    decode,
+    dequantize_blocks,
+    encode,
+    index_dtype_for,
+    quantize_blocks,
+    topk_indices,
+)
+
+
+def _varied(numel: int, seed: int = 0) -> torch.Tensor:
+    """Values whose magnitude spans 9 decades, so blocks have very different scales."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=gen) * 10 ** (torch.rand(numel, generator=gen) * 9 - 6)
+
+
+def _per_element_scale(scales: torch.Tensor, block_size: int, numel: int) -> torch.Tensor:
+    return scales.float().repeat_interleave(block_size)[:numel]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [1, 32, 100])
+def test_block_quantization_error_is_at_most_half_a_scale(bits, scale_dtype, block_size):
+    numel = 1000  # not a multiple of 32 or 100: the last block is short
+    x = _varied(numel, seed=bits + block_size)
+    dtype = CodecConfig(scale_dtype=scale_dtype).scale_torch_dtype
+    codes, scales = quantize_blocks(x, bits, block_size, dtype)
+    qmax = 2 ** (bits - 1) - 1
+    assert scales.dtype == dtype and scales.shape == (math.ceil(numel / block_size),)
+    assert codes.shape == (((numel + 1) // 2,) if bits == 4 else (numel,))
+    decoded = dequantize_blocks(codes, scales, numel, bits, block_size)
+    scale = _per_element_scale(scales, block_size, numel)
+    error = (x - decoded).abs()
+    # fp32 rounding of code * scale adds at most an ulp or two of the value.
+    assert (error <= scale / 2 + 2e-7 * x.abs()).all(), (error / scale).max()
+    # Scales are never below max|x| / qmax (nothing clipped) and, for bf16, at most one bf16 step above it.
+    absmax = torch.nn.functional.pad(x.abs(), (0, scales.numel() * block_size - numel)).view(-1, block_size).amax(1)
+    assert (scales.float() >= absmax / qmax).all()
+    assert (scales.float() <= absmax / qmax * (1 + 2**-7) + 1e-45).all()
+
+
+def test_zero_blocks_decode_to_exact_zeros():
+    x = torch.zeros(300)
+    x[200:] = torch.linspace(-1, 1, 100)
+    codes, scales = quantize_blocks(x, 8, 100)
+    assert scales[:2].tolist() == [0.0, 0.0]
+    decoded = dequantize_blocks(codes, scales, 300, 8, 100)
+    assert torch.equal(decoded[:200], torch.zeros(200)) and not decoded.isnan().any()
+
+
+def test_topk_keeps_exactly_the_k_largest_magnitudes():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    k = 50
+    kept = topk_indices(x, k)
+    assert kept.shape == (k,) and torch.equal(kept, kept.sort().values)
+    expected = torch.argsort(x.abs(), descending=True)[:k]
+    assert set(kept.tolist()) == set(expected.tolist())
+    dropped = torch.ones(5000, dtype=torch.bool)
+    dropped[kept] = False
+    assert x[kept].abs().min() > x[dropped].abs().max()
+    with pytest.raises(ValueError, match="k must be"):
+        topk_indices(x, 0)
+
+
+def test_topk_encode_sends_the_k_largest_within_the_int8_bound():
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(2))
+    config = CodecConfig(topk_ratio=0.01, block_size=64)
+    encoded = encode(x, config)
+    assert encoded.mode == Mode.SPARSE and encoded.count == 200
+    assert encoded.indices.dtype == torch.int16  # 20 000 < 2**15
+    decoded = decode(encoded)
+    sent = decoded != 0
+    assert set(sent.nonzero().squeeze(1).tolist()) == set(torch.argsort(x.abs(), descending=True)[:200].tolist())
+    scale = _per_element_scale(encoded.scales, 64, 200)
+    assert ((decoded[encoded.indices.long()] - x[encoded.indices.long()]).abs() <= scale / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize(("numel", "dtype"), [(256, torch.uint8), (257, torch.int16), (32768, torch.int16),
+                                               (32769, torch.int32)])
+def test_indices_use_the_smallest_dtype_and_reach_the_last_element(numel, dtype):
+    assert index_dtype_for(numel) == dtype
+    x = torch.zeros(numel)
+    x[-1], x[0] = 5.0, -3.0  # the largest magnitude sits at the last index (255, 32767, ...)
+    encoded = encode(x, CodecConfig(topk_ratio=1 / numel))
+    assert encoded.mode == Mode.SPARSE and encoded.indices.dtype == dtype
+    assert encoded.indices.long().tolist() == [numel - 1]
+    assert decode(Encoded.from_bytes(encoded.to_bytes()))[-1].item() == pytest.approx(5.0, rel=1e-6)
+
+
+def test_error_feedback_running_sum_of_sent_values_converges_to_the_inputs():
+    numel, steps = 4096, 300
+    config = CodecConfig(topk_ratio=0.01, block_size=32)
+    gen = torch.Generator().manual_seed(3)
+    mean = torch.randn(numel, generator=gen) * 0.2  # a drift every step, as gradients have
+    feedback = ErrorFeedback()
+    inputs_sum, sent_sum, sent_sum_no_feedback = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
+    residual_norms, relative_gaps = [], []
+    for _ in range(steps):
+        x = mean + torch.randn(numel, generator=gen)
+        compensated = feedback.compensate("w", x)
+        sent = decode(encode(compensated, config))
+        feedback.update("w", compensated, sent)
+        inputs_sum += x
+        sent_sum += sent
+        sent_sum_no_feedback += decode(encode(x, config))
+        residual_norms.append(feedback.residual("w", (numel,)).norm().item())
+        relative_gaps.append(((inputs_sum - sent_sum).norm() / inputs_sum.norm()).item())
+    # The identity behind error feedback: what is missing from the sent sum is exactly the current residual.
+    torch.testing.assert_close(inputs_sum - sent_sum, feedback.residual("w", (numel,)), rtol=0, atol=1e-3)
+    # The residual stays bounded (does not grow with the step count) while the sums grow linearly...
+    assert max(residual_norms[steps // 2 :]) < 1.5 * max(residual_norms[: steps // 2])
+    # ...so the sent sum converges to the input sum (the gap shrinks like 1 / steps: 0.62 at step 30, 0.125 at
+    # step 300 when written); without feedback most of the signal is lost for good (gap 0.92).
+    assert relative_gaps[-1] < 0.5 * relative_gaps[steps // 10] and relative_gaps[-1] < 0.2
+    no_feedback_gap = ((inputs_sum - sent_sum_no_feedback).norm() / inputs_sum.norm()).item()
+    assert no_feedback_gap > 0.8
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_inputs_are_sent_raw_never_quantized(bad):
+    x = torch.randn(1000)
+    x[17] = bad
+    for config in (CodecConfig(), CodecConfig(topk_ratio=0.01)):
+        encoded = encode(x, config)
+        assert encoded.mode == Mode.RAW and encoded.reason == "nonfinite"
+        round_trip = decode(Encoded.from_bytes(encoded.to_bytes()))
+        torch.testing.assert_close(round_trip, x, rtol=0, atol=0, equal_nan=True)
+    # Raw payloads travel in the collective's dtype (here bf16) ...
+    assert encode(x, CodecConfig(), raw_dtype=torch.bfloat16).values.dtype == torch.bfloat16
+    # ... and a residual never picks up the NaN / Inf: the other entries keep their (zero) error.
+    feedback = ErrorFeedback()
+    compensated = feedback.compensate("g", x)
+    feedback.update("g", compensated, decode(encode(compensated, CodecConfig())))
+    assert torch.equal(feedback.residual("g", x.shape), torch.zeros(1000))
+
+
+def test_tensors_under_min_numel_are_sent_raw_and_exact():
+    x = torch.randn(100)
+    encoded = encode(x, CodecConfig(min_numel=101))
+    assert encoded.mode == Mode.RAW and encoded.reason == "small"
+    assert torch.equal(decode(encoded), x)
+    assert encode(x, CodecConfig(min_numel=100)).mode == Mode.DENSE
+
+
+@pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(bits=4, block_size=7), CodecConfig(topk_ratio=0.1),
+                                    CodecConfig(topk_ratio=0.1, bits=4, scale_dtype="bfloat16")])
+def test_wire_format_round_trips_and_nbytes_is_the_wire_length(config):
+    x = _varied(3001, seed=4)
+    encoded = encode(x, config)
+    wire = encoded.to_bytes()
+    assert wire.dtype == torch.uint8 and wire.numel() == encoded.nbytes and encoded.nbytes % 8 == 0
+    assert torch.equal(decode(Encoded.from_bytes(wire)), decode(encoded))
+
+
+def test_top1_percent_int8_is_at_least_40x_smaller_than_fp32_indices_included():
+    # 4 MiB of fp32 gradient (a mid-sized layer; DDP's default bucket is 25 MiB).
+    numel = 2**20
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+    encoded = encode(x, CodecConfig(topk_ratio=0.01, bits=8))
+    k = math.ceil(0.01 * numel)
+    assert encoded.mode == Mode.SPARSE and encoded.indices.dtype == torch.int32  # 2**20 > 2**15
+    # Honest count: 4-byte index + 1-byte value per kept element, a 4-byte scale per 128, header and padding.
+    assert encoded.nbytes >= k * (4 + 1) + math.ceil(k / 128) * 4 + 16
+    assert encoded.nbytes == encoded.to_bytes().numel()
+    ratio_fp32 = numel * 4 / encoded.nbytes
+    assert ratio_fp32 >= 40, ratio_fp32
+    assert numel * 2 / encoded.nbytes >= 20  # against bf16
+    dense = encode(x, CodecConfig(bits=8))
+    assert 3.8 < numel * 4 / dense.nbytes < 4.0  # INT8 + fp32 scales per 128: a bit under 4x
+
+
+def test_comm_stats_break_even_bandwidth():
+    stats = CommStats(bytes_before=1000, bytes_after=100, encode_seconds=0.5, decode_seconds=0.4)
+    assert stats.ratio == pytest.approx(10.0)
+    # B* = S (1 - 1/r) / T_c = 1000 * 0.9 / 0.9 s
+    assert stats.break_even_bytes_per_second == pytest.approx(1000.0)
+    assert CommStats(bytes_before=100, bytes_after=100, encode_seconds=1.0).break_even_bytes_per_second == 0.0
+    stats.reset()
+    assert stats.bytes_before == 0 and stats.ratio == 1.0
+
+
+def test_error_feedback_state_round_trip_and_shape_change():
+    feedback = ErrorFeedback()
+    feedback.residual("a", (3,)).add_(torch.tensor([1.0, 2.0, 3.0]))
+    restored = ErrorFeedback()
+    restored.load_state_dict(feedback.state_dict())
+    assert torch.equal(restored.residual("a", (3,)), torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(restored.residual("a", (4,)), torch.zeros(4)) and restored.resets == ["a"]
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"bits": 2}, "bits"), ({"block_size": 0}, "block_size"), ({"topk_ratio": 0.0}, "topk_ratio"),
+    ({"topk_ratio": 1.5}, "topk_ratio"), ({"scale_dtype": "float16"}, "scale_dtype"), ({"min_numel": -1}, "min_numel"),
+])
+def test_codec_config_errors_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        CodecConfig(**kwargs)
+    with pytest.raises(ValueError, match=name):
+        CompressedAllToAll(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [({"targets": ("grad", "activations")}, "targets"),
+                                               ({"targets": ()}, "targets"), ({"warmup_steps": -1}, "warmup_steps")])
+def test_callback_errors_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        CompressedAllToAll(**kwargs)
+
+
+def test_moe_target_fails_at_setup_until_expert_parallelism_exists():
+    callback = CompressedAllToAll(targets=("moe", "grad"))
+    with pytest.raises(ValueError, match="expert_parallel > 1"):
+        callback.setup(None, None, "fit")
+    CompressedAllToAll(targets="grad").setup(None, None, "fit")  # a plain string is one target
+
+
+def _fake_trainer(model: nn.Module, data_parallel_size: int) -> SimpleNamespace:
+    strategy = SimpleNamespace(model=model, data_parallel_size=data_parallel_size)
+    return SimpleNamespace(strategy=strategy, world_size=data_parallel_size)
+
+
+def test_callback_without_a_data_parallel_sync_warns_and_does_nothing():
+    model = nn.Linear(2, 2)
+    callback = CompressedAllToAll()
+    with pytest.warns(UserWarning, match="no data-parallel gradient sync"):
+        callback.on_fit_start(_fake_trainer(model, 1), model)
+    assert callback.registered is None
+
+
+def test_callback_rejects_a_strategy_it_cannot_hook_into():
+    model = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="DDP .*or FSDP2"):
+        CompressedAllToAll().on_fit_start(_fake_trainer(model, 2), model)
