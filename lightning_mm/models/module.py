@@ -143,10 +143,12 @@ class VLMModule(L.LightningModule):
         # An empty batch (a rank's filler under epoch_policy="pad") still takes part in the collectives.
         self._log_losses("val", losses, max(batch.num_samples, 1), on_step=False)
         valid = batch.labels != IGNORE_INDEX
-        self.val_token_accuracy.update(output.logits[valid], batch.labels[valid])
-        self.val_perplexity.update(output.logits.float(), batch.labels)
+        if valid.any():  # torchmetrics' accuracy cannot update on zero elements (an all-padding filler batch)
+            self.val_token_accuracy.update(output.logits[valid], batch.labels[valid])
+            self.val_perplexity.update(output.logits.float(), batch.labels)
         pairs = (batch.sample_ids >= 0) & batch.has_image
-        self.val_recall.update(output.image_embeds[pairs], output.text_embeds[pairs])
+        if pairs.any():
+            self.val_recall.update(output.image_embeds[pairs], output.text_embeds[pairs])
 
     def on_validation_epoch_end(self) -> None:
         # Recall is over the whole validation set, so chance level is 1 / (pairs in the set).

@@ -118,3 +118,15 @@ def test_recall_metric():
     metric.reset()
     metric.update(torch.ones(4, 3), torch.ones(4, 3))  # constant embeddings: chance, not 1.0
     assert metric.compute() == 0.25
+
+
+def test_validation_step_on_an_all_padding_batch():
+    """A rank's filler batch (epoch_policy="pad") validates without touching the metrics."""
+    from lightning_mm.datamodules.web import _all_padding
+    from lightning_mm.models import VLMModule
+
+    module = VLMModule(preset="tiny", max_patches_per_image=48)
+    module.log = lambda *args, **kwargs: None  # no Trainer attached
+    module.validation_step(_all_padding(4, 96, 96, 8, 16, 0), 0)
+    assert module.val_recall.num_pairs() == 0
+    assert module.val_token_accuracy.update_count == 0
