@@ -29,19 +29,15 @@ Writes ``benchmarks/results/compression.json`` (parts not run are kept from the 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
-import queue
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -50,11 +46,11 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lightning_mm
 from lightning_mm.callbacks.compression import CompressedAllToAll
 from lightning_mm.datamodules.web import ImageTextWebDataModule
+from lightning_mm.launch import run_distributed
 from lightning_mm.models import VisionLanguageModel, VLMModule, build_config, compute_losses
 from lightning_mm.parallel.compression import CodecConfig, decode, encode
 
@@ -224,57 +220,21 @@ def _train(name: str, compression: dict[str, Any] | None, seed: int, args: argpa
     }
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0")
-    torch.set_num_threads(1)
+def _rank_runs(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     warnings.filterwarnings("ignore")
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-        out = []
-        for name, (compression, seed) in RUNS.items():
-            if name in args.runs:
-                out.append(_train(name, compression, seed, args))
-                if rank == 0:
-                    print(f"    {name}: {out[-1]['wall_seconds']:.0f} s", flush=True)
-        buffer = io.BytesIO()
-        torch.save(out, buffer)
-        results.put((rank, "ok", buffer.getvalue()))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    out = []
+    for name, (compression, seed) in RUNS.items():
+        if name in args.runs:
+            out.append(_train(name, compression, seed, args))
+            if rank == 0:
+                print(f"    {name}: {out[-1]['wall_seconds']:.0f} s", flush=True)
+    return out
 
 
 def part2(args: argparse.Namespace) -> dict[str, Any]:
     world = 2
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, results), daemon=True) for r in range(world)]
     print(f"\n[2] convergence: tiny preset, DDP x{world} (gloo), {args.steps} steps per run")
-    for proc in procs:
-        proc.start()
-    collected: dict[int, Any] = {}
-    try:
-        while len(collected) < world:
-            try:
-                rank, status, value = results.get(timeout=5)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a rank died") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    collected = run_distributed(_rank_runs, world, args, timeout=24 * 3600, pg_timeout=600)
     runs = collected[0]
     base = runs[0]["final_loss_median_last20"]
     print(f"{'run':32} {'final loss':>10} {'vs unc.':>8} {'val R@1':>8} {'val loss':>9} {'ratio':>7} "

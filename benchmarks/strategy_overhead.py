@@ -42,26 +42,20 @@ Writes ``benchmarks/results/strategy_overhead.json`` (not with ``--quick``) and 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import os
 import platform
-import queue
 import re
-import socket
 import statistics
 import time
-import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -69,6 +63,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lightning_mm
 from lightning_mm.datamodules.stages import PatchedSample, collate_one_per_row
+from lightning_mm.launch import run_distributed
 from lightning_mm.models import VLMModule
 from lightning_mm.strategies import HybridParallelStrategy
 
@@ -305,62 +300,6 @@ def _run_config(rank: int, world: int, config: str, pair: tuple[tuple[str, str],
 # ------------------------------------------------------------------------------------------ spawning
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_entry(rank: int, world: int, port: int, args: tuple, results) -> None:
-    # torchrun's variables: Lightning's Trainer(devices=world) then joins these processes instead of launching.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-        buffer = io.BytesIO()
-        torch.save(_run_config(rank, world, *args), buffer)
-        results.put((rank, "ok", buffer.getvalue()))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(world: int, *args: Any, timeout: float = 1200.0) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, args, results), daemon=True)
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    collected: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(collected) < world:
-            try:
-                rank, status, value = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in collected]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {timeout:.0f} s") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [collected[r] for r in range(world)]
-
-
 # ------------------------------------------------------------------------------------------ summarising
 
 
@@ -521,7 +460,7 @@ def main() -> None:
     for name, config, pair in runs:
         start = time.perf_counter()
         load[name] = {"before": os.getloadavg()}
-        ranks = _spawn(CONFIGS[config]["world"], config, pair, args)
+        ranks = run_distributed(_run_config, CONFIGS[config]["world"], config, pair, args, timeout=1200, pg_timeout=300)
         wall[name] = time.perf_counter() - start
         load[name]["after"] = os.getloadavg()
         results[name] = _summarise(config, pair, ranks, args)
