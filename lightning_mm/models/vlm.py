@@ -266,6 +266,9 @@ class ModalityExperts(nn.Module):
         self.router_text = nn.Linear(dim, text_experts, bias=False)
         nn.init.normal_(self.w_in, std=dim**-0.5)
         nn.init.normal_(self.w_out, std=hidden**-0.5)
+        self.dispatcher = None
+        """Expert parallelism hook (:func:`lightning_mm.parallel.experts.apply_expert_parallel`): when set, called as
+        ``dispatcher(self, tokens, expert_ids, gate) -> routed`` instead of running the experts locally."""
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor, modality: str) -> tuple[torch.Tensor, RouterStats]:
         """``x (R, L, D)``, ``valid (R, L)`` bool -> ``(R, L, D)`` (zero at invalid positions), stats."""
@@ -274,6 +277,16 @@ class ModalityExperts(nn.Module):
         tokens = x[valid]  # (N, D)
         probs = router(tokens).float().softmax(dim=-1)  # (N, E_group)
         gate, choice = probs.max(dim=-1)
+        if self.dispatcher is not None:
+            routed = self.dispatcher(self, tokens, choice + offset, gate)
+        else:
+            routed = self._run_local(tokens, choice, gate, offset, modality)
+        out = x.new_zeros(x.shape).masked_scatter(valid[..., None], routed)
+        counts = torch.bincount(choice, minlength=probs.shape[-1]).to(probs.dtype)
+        return out, RouterStats(expert_counts=counts, prob_sums=probs.sum(dim=0))
+
+    def _run_local(self, tokens: torch.Tensor, choice: torch.Tensor, gate: torch.Tensor, offset: int,
+                   modality: str) -> torch.Tensor:
         routed = torch.zeros_like(tokens)
         for local in range(self.group_sizes[modality]):
             # Every expert runs, on zero tokens if none were routed to it, so all parameters stay in the
@@ -285,9 +298,7 @@ class ModalityExperts(nn.Module):
             h = F.gelu(torch.addmm(self.b_in[expert], tokens[index], self.w_in[expert]))
             h = torch.addmm(self.b_out[expert], h, self.w_out[expert])
             routed = routed.index_add(0, index, (h * gate[index, None].to(h.dtype)).to(routed.dtype))
-        out = x.new_zeros(x.shape).masked_scatter(valid[..., None], routed)
-        counts = torch.bincount(choice, minlength=probs.shape[-1]).to(probs.dtype)
-        return out, RouterStats(expert_counts=counts, prob_sums=probs.sum(dim=0))
+        return routed
 
 
 class GatedResidual(nn.Module):

@@ -15,6 +15,7 @@ by the group size), which is the averaging :func:`lightning_mm.models.losses.com
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,8 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     blocks: list[nn.Module] | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    inner_units: Sequence[tuple[nn.Module | list[nn.Module], DeviceMesh]] = (),
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2 over ``mesh`` and return it.
 
@@ -168,6 +171,11 @@ def apply_fsdp(
             memory is pinned only when CUDA exists (pinning needs it).
         blocks: modules to shard individually instead of :func:`transformer_blocks`; must be submodules of
             ``model``.
+        ignored_params: parameters FSDP must leave alone (e.g. expert weights already sharded over the ep mesh
+            when nothing is left to shard them over); their gradients are the caller's business.
+        inner_units: ``(modules, unit_mesh)`` pairs sharded as their own units *before* the blocks, each over its
+            own mesh (expert parallel: a block's routers over ``mesh``, its expert weights over
+            ``dp_shard_mod_ep``); the blocks then skip what these units own.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp needs a 1-D (FSDP) or 2-D (HSDP: replicate x shard) mesh, got a {mesh.ndim}-D "
@@ -185,10 +193,13 @@ def apply_fsdp(
     # FSDP, and their gradients are averaged over the mesh by a hook instead.
     scalars = _keep_scalars_replicated(model, mesh)
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    ignored = scalars | set(ignored_params or ())
     config = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload,
-              "ignored_params": scalars or None}
-    # Blocks first, root last: fully_shard on the root skips parameters already owned by a block unit, so the
+              "ignored_params": ignored or None}
+    # Inner units, then blocks, root last: fully_shard skips parameters already owned by an earlier unit, so the
     # root unit holds only the leftovers (embeddings, heads, norms, logit_scale).
+    for modules, unit_mesh in inner_units:
+        fully_shard(modules, reshard_after_forward=reshard_after_forward, **{**config, "mesh": unit_mesh})
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **config)
     fully_shard(model, reshard_after_forward=None if reshard_after_forward else False, **config)

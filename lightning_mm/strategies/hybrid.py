@@ -39,6 +39,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import lightning_mm
 from lightning_mm import checkpoint as ckpt
@@ -46,7 +47,8 @@ from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
 from lightning_mm.models.losses import VLMLosses
 from lightning_mm.parallel.clip import clip_grad_norm_
 from lightning_mm.parallel.collectives import all_reduce_sum
-from lightning_mm.parallel.dims import ParallelDims
+from lightning_mm.parallel.dims import DP_SHARD_MOD_EP, ParallelDims
+from lightning_mm.parallel.experts import PLACEMENTS, apply_expert_parallel, expert_parameters
 from lightning_mm.parallel.fsdp import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -131,6 +133,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
         tensor_parallel: tensor-parallel degree (neighbouring ranks; they see the same batch).
         sequence_parallel: shard the norms' activations along the sequence between tp-sharded layers
             (reference model's plan only; a user plan says it with ``"sequence"`` styles).
+        expert_parallel: expert-parallel degree; borrows ranks from ``data_parallel_shard`` (must divide it) and
+            shards the reference model's modality experts over them (:mod:`lightning_mm.parallel.experts`); with
+            ``data_parallel_shard > expert_parallel`` the experts are also FSDP-sharded over the remaining
+            ``dp_shard_mod_ep`` ranks. Not yet combined with pipeline / tensor parallelism or HSDP.
+        expert_placement: ``"modality"`` (each modality's experts on a contiguous group of EP ranks; checkpoints
+            interchangeable with non-EP runs) or ``"uniform"`` (round robin; experts stored permuted).
         tp_plan: ``{fqn_pattern: style}`` relative to the LightningModule, styles ``colwise``, ``rowwise``,
             ``sequence``, ``replicate``. ``None``: the shipped plan of every reference ``VisionLanguageModel``
             inside the module (an error if there is none and ``tensor_parallel > 1``).
@@ -157,6 +165,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         pipeline_split: Literal["auto"] | list[str] = "auto",
         virtual_stages: int = 1,
         pipeline_shape: tuple[int, int, int, int] | None = None,
+        expert_parallel: int = 1,
+        expert_placement: str = "modality",
         tp_plan: dict[str, str] | None = None,
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
@@ -172,7 +182,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         shard_for_check = 1 if data_parallel_shard in ("auto", -1) else data_parallel_shard
         for name, value in (("data_parallel_replicate", data_parallel_replicate),
                             ("data_parallel_shard", shard_for_check), ("tensor_parallel", tensor_parallel),
-                            ("pipeline_parallel", pipeline_parallel), ("virtual_stages", virtual_stages)):
+                            ("pipeline_parallel", pipeline_parallel), ("virtual_stages", virtual_stages),
+                            ("expert_parallel", expert_parallel)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1" + (" or 'auto'" if name == "data_parallel_shard"
                                                                        else "") + f", got {value!r}")
@@ -193,9 +204,19 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if pipeline_shape is not None and (len(pipeline_shape) != 4 or any(int(v) < 1 for v in pipeline_shape)):
             raise ValueError(f"pipeline_shape must be (rows, patches_per_row, tokens_per_row, segments_per_row), "
                              f"got {pipeline_shape!r}")
+        if expert_placement not in PLACEMENTS:
+            raise ValueError(f"expert_placement must be one of {PLACEMENTS}, got {expert_placement!r}")
+        if expert_parallel > 1:
+            unsupported = [f"{name}={value}" for name, value in (
+                ("pipeline_parallel", pipeline_parallel), ("tensor_parallel", tensor_parallel),
+                ("data_parallel_replicate", data_parallel_replicate)) if value != 1]
+            if unsupported:
+                raise ValueError(f"expert_parallel={expert_parallel} with {', '.join(unsupported)} is not supported "
+                                 "yet; use expert_parallel=1 or set those degrees to 1")
         self._degrees = {"data_parallel_replicate": data_parallel_replicate,
                          "data_parallel_shard": data_parallel_shard, "tensor_parallel": tensor_parallel,
-                         "pipeline_parallel": pipeline_parallel}
+                         "pipeline_parallel": pipeline_parallel, "expert_parallel": expert_parallel}
+        self.expert_placement = expert_placement
         self.pipeline_schedule = pipeline_schedule
         self.microbatches = microbatches
         self.pipeline_split = pipeline_split
@@ -245,10 +266,29 @@ class HybridParallelStrategy(ModelParallelStrategy):
             "mesh": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
                      "ep": dims.ep},
             "sequence_parallel": self.sequence_parallel,
+            "expert_layout": self._expert_layout(),
             "torch": str(torch.__version__),  # a plain str: TorchVersion would break weights_only loading
             "lightning": pl.__version__,
             "lightning_mm": lightning_mm.__version__,
         }
+
+    def _expert_layout(self) -> str:
+        """Order in which the stacked expert weights are stored: ``"logical"`` (no EP, or the contiguous "modality"
+        placement) or ``"round_robin_ep<N>"`` ("uniform": permuted, see :mod:`lightning_mm.parallel.experts`)."""
+        dims = self.parallel_dims
+        if dims.ep_enabled and self.expert_placement == "uniform":
+            return f"round_robin_ep{dims.ep}"
+        return "logical"
+
+    def _check_expert_layout(self, saved: dict[str, Any], path: Path) -> None:
+        saved_layout, now = saved.get("expert_layout", "logical"), self._expert_layout()
+        if saved_layout != now:
+            raise ValueError(
+                f"checkpoint {str(path)!r} stores the experts in {saved_layout!r} order but this run expects {now!r}: "
+                "expert_placement='uniform' stores them permuted (round robin), so such checkpoints only load into a "
+                "'uniform' run with the same expert_parallel; use expert_placement='modality' for checkpoints that "
+                "move between expert-parallel and other runs"
+            )
 
     def setup_environment(self) -> None:
         # Degrees are checked against the world size before any process group exists, so a wrong config fails
@@ -317,6 +357,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
                     )
                 for reference in references:
                     apply_tensor_parallel(reference, tp_mesh, sequence_parallel=self.sequence_parallel)
+        if dims.ep_enabled:
+            self._apply_expert_parallel(module)
         blocks = transformer_blocks(module)
         if self.activation_checkpointing:
             apply_activation_checkpointing(blocks)
@@ -324,6 +366,21 @@ class HybridParallelStrategy(ModelParallelStrategy):
             self._apply_fsdp(module, blocks, mp_policy)
         module._lightning_mm_parallelized = True
         return module
+
+    def _apply_expert_parallel(self, module: nn.Module) -> None:
+        dims = self.parallel_dims
+        references = _find_reference_models(module)
+        if not references:
+            raise ValueError(f"expert_parallel={dims.ep} needs the reference VisionLanguageModel (its "
+                             f"ModalityExperts): {type(module).__name__} contains none")
+        for reference in references:
+            config = reference.config
+            experts = config.vision_experts + config.text_experts
+            if experts % dims.ep:
+                raise ValueError(f"expert_parallel={dims.ep} must divide the number of experts of the model "
+                                 f"(vision_experts + text_experts = {config.vision_experts} + {config.text_experts} "
+                                 f"= {experts})")
+            apply_expert_parallel(reference, dims.get_mesh("ep"), self.expert_placement)
 
     def _apply_fsdp(self, module: nn.Module, blocks: list[nn.Module], mp_policy) -> None:
         # FSDP2 shards each child of the LightningModule that has parameters, with that child's blocks as units,
@@ -337,12 +394,43 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "or override configure_model"
             )
         mesh = self.parallel_dims.get_mesh(self.parallel_dims.fsdp_axes)
+        experts = set(expert_parameters(module)) if self.parallel_dims.ep_enabled else set()
         for child in module.children():
             if not any(True for _ in child.parameters()):
                 continue
             inside = {id(sub) for sub in child.modules()}
+            if experts:
+                self._fsdp_around_experts(child, mesh, mp_policy,
+                                          [b for b in blocks if id(b) in inside and b is not child], experts)
+                continue
             apply_fsdp(child, mesh, mp_policy=mp_policy, reshard_after_forward=self.reshard_after_forward,
                        cpu_offload=self.cpu_offload, blocks=[b for b in blocks if id(b) in inside and b is not child])
+
+    def _fsdp_around_experts(self, child: nn.Module, mesh, mp_policy, blocks: list[nn.Module],
+                             experts: set[nn.Parameter]) -> None:
+        """:func:`apply_fsdp` for a model whose expert weights are already ``Shard(0)`` DTensors on the ep mesh:
+        the dense FSDP of their block over ``dp_shard`` must not shard them again (ep borrows its ranks from it).
+
+        * ``dp_shard == ep`` (``dp_shard_mod_ep`` of size 1): the experts stay outside FSDP (``ignored_params``);
+          their gradient is already the data-parallel mean (:mod:`lightning_mm.parallel.experts`).
+        * ``dp_shard > ep``: as torchtitan, each ``ModalityExperts`` gets its own FSDP unit over ``dp_shard_mod_ep``
+          (created before the block's, so the block skips it); its routers (dense) get theirs over ``dp_shard``
+          first, so the expert unit holds the stacked weights only. FSDP2 divides the expert gradients by
+          ``dp_shard_mod_ep``, times the ``1 / ep`` applied in the graph = ``1 / dp``.
+
+        Routers and all other parameters are FSDP'd over ``dp_shard`` as usual."""
+        from lightning_mm.parallel.experts import expert_modules
+
+        expert_mesh = self.parallel_dims.get_mesh(DP_SHARD_MOD_EP)
+        inner: list[tuple[nn.Module | list[nn.Module], DeviceMesh]] = []
+        if expert_mesh.size() > 1:
+            for module in expert_modules(child):
+                inner.append(([sub for sub in module.children() if any(True for _ in sub.parameters())], mesh))
+                inner.append((module, expert_mesh))
+        apply_fsdp(child, mesh, mp_policy=mp_policy, reshard_after_forward=self.reshard_after_forward,
+                   cpu_offload=self.cpu_offload, blocks=blocks, inner_units=inner,
+                   ignored_params={p for p in child.parameters() if p in experts} if expert_mesh.size() == 1
+                   else None)
 
     # ---------------------------------------------------------------------------------------------- pipeline
 
@@ -592,6 +680,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 return self._load_full_checkpoint(path, strict)
             raise FileNotFoundError(f"ckpt_path {str(path)!r} is neither a sharded checkpoint directory nor a file")
         saved = ckpt.read_topology(path)
+        self._check_expert_layout(saved or {}, path)
         now = self.topology()
         if saved and saved.get("mesh") != now["mesh"]:
             log.info("resharding checkpoint %s: saved on %s rank(s) (%s), loading on %s rank(s) (%s)", path,
@@ -610,6 +699,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         )
 
         checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        self._check_expert_layout(checkpoint.get(ckpt.TOPOLOGY_KEY) or {}, path)
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
         saved_optimizers = checkpoint.pop("optimizer_states", [])
