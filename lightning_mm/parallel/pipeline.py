@@ -462,7 +462,11 @@ def idle_fraction(events_by_rank: Sequence[Sequence[tuple]]) -> float:
 
 def plot_timeline(events_by_rank: Sequence[Sequence[tuple]], path, title: str = "") -> None:
     """Gantt chart (ranks as rows; forward blue, backward orange, weight-grad green; label = microbatch)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError("drawing the pipeline timeline needs matplotlib: pip install 'lightning-mm[bench]' (or "
+                          "matplotlib)") from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
