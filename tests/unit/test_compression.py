@@ -225,7 +225,7 @@ def test_callback_errors_name_the_argument(kwargs, name):
         CompressedAllToAll(**kwargs)
 
 
-def test_moe_target_fails_at_setup_until_expert_parallelism_exists():
+def test_moe_target_fails_at_setup_without_expert_parallelism():
     callback = CompressedAllToAll(targets=("moe", "grad"))
     with pytest.raises(ValueError, match="expert_parallel > 1"):
         callback.setup(None, None, "fit")
