@@ -243,31 +243,27 @@ class CompressedAllToAll(pl.Callback):
             self.state.feedback.resets.clear()
             self.state.gather_feedback.resets.clear()
 
+    @staticmethod
+    def _stats_metrics(prefix: str, stats) -> dict[str, float]:
+        """Bytes, ratio, codec time, break-even bandwidth of one exchange's counters as ``compression/<prefix>*``."""
+        return {
+            f"compression/{prefix}bytes_before": float(stats.bytes_before),
+            f"compression/{prefix}bytes_after": float(stats.bytes_after),
+            f"compression/{prefix}ratio": stats.ratio,
+            f"compression/{prefix}encode_ms": 1e3 * stats.encode_seconds,
+            f"compression/{prefix}decode_ms": 1e3 * stats.decode_seconds,
+            f"compression/{prefix}break_even_gbit_s": 8e-9 * stats.break_even_bytes_per_second,
+            f"compression/{prefix}raw_nonfinite": float(stats.raw_nonfinite),
+        }
+
     def metrics(self) -> dict[str, float]:
         """What :meth:`on_train_batch_end` logs, from the counters of the current step."""
-        stats = self.state.stats
-        return {
-            "compression/bytes_before": float(stats.bytes_before),
-            "compression/bytes_after": float(stats.bytes_after),
-            "compression/ratio": stats.ratio,
-            "compression/encode_ms": 1e3 * stats.encode_seconds,
-            "compression/decode_ms": 1e3 * stats.decode_seconds,
-            "compression/break_even_gbit_s": 8e-9 * stats.break_even_bytes_per_second,
-            "compression/raw_nonfinite": float(stats.raw_nonfinite),
-            "compression/active": float(self.state.active),
-        }
+        return {**self._stats_metrics("", self.state.stats), "compression/active": float(self.state.active)}
 
     def moe_metrics(self) -> dict[str, float]:
         """The ``compression/moe_*`` values :meth:`on_train_batch_end` logs (expert dispatch / combine)."""
-        stats = self.moe_codec.stats
         return {
-            "compression/moe_bytes_before": float(stats.bytes_before),
-            "compression/moe_bytes_after": float(stats.bytes_after),
-            "compression/moe_ratio": stats.ratio,
-            "compression/moe_encode_ms": 1e3 * stats.encode_seconds,
-            "compression/moe_decode_ms": 1e3 * stats.decode_seconds,
-            "compression/moe_break_even_gbit_s": 8e-9 * stats.break_even_bytes_per_second,
-            "compression/moe_raw_nonfinite": float(stats.raw_nonfinite),
+            **self._stats_metrics("moe_", self.moe_codec.stats),
             "compression/moe_exact_backward_bytes": float(self.moe_codec.exact_backward_bytes),
             "compression/moe_active": float(self.moe_codec.active),
         }
