@@ -1,5 +1,6 @@
 """``HybridParallelStrategy``: the reference VLM (or a user model with a short plan) on a
-``dp_replicate x dp_shard x tp`` device mesh through the ordinary Lightning ``Trainer``.
+``pp x dp_replicate x dp_shard x tp`` device mesh (with an ``ep`` axis borrowed from ``dp_shard``) through the
+ordinary Lightning ``Trainer``.
 
 Thin glue over :mod:`lightning_mm.parallel` (which has no Lightning imports):
 
@@ -133,6 +134,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
         tensor_parallel: tensor-parallel degree (neighbouring ranks; they see the same batch).
         sequence_parallel: shard the norms' activations along the sequence between tp-sharded layers
             (reference model's plan only; a user plan says it with ``"sequence"`` styles).
+        pipeline_parallel: pipeline stages (reference ``VLMModule`` only): the model is split into stages that keep
+            its FQNs and trained by a ``torch.distributed.pipelining`` schedule inside ``training_step``
+            (:mod:`lightning_mm.parallel.pipeline`). Combines with FSDP / HSDP and tensor parallel.
+        pipeline_schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` (with ``virtual_stages > 1``) or another
+            schedule torch ships, by name.
+        microbatches: microbatches per step (default: the number of stages); must divide the per-rank row count.
+        pipeline_split: ``"auto"`` (vision encoder, projector and embeddings on stage 0, decoder layers balanced by
+            computed FLOPs) or the FQNs of the decoder layers that start stages 1, 2, ...
+        virtual_stages: stages per pipeline rank (interleaved schedules).
+        pipeline_shape: ``(rows, patches_per_row, tokens_per_row, segments_per_row)`` every batch is padded to
+            (pipelining needs fixed shapes); default: the first batch's.
         expert_parallel: expert-parallel degree; borrows ranks from ``data_parallel_shard`` (must divide it) and
             shards the reference model's modality experts over them (:mod:`lightning_mm.parallel.experts`); with
             ``data_parallel_shard > expert_parallel`` the experts are also FSDP-sharded over the remaining
