@@ -46,6 +46,7 @@ __all__ = [
     "consolidate_main",
     "is_sharded_checkpoint",
     "load_sharded",
+    "optimizer_state_by_fqn",
     "optimizer_state_by_index",
     "read_topology",
     "save_sharded",
@@ -153,6 +154,15 @@ def optimizer_state_by_index(state: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise KeyError(f"optimizer state has entries for parameters that no param group lists: {unknown[:5]}")
     return {"state": {index_of[fqn]: value for fqn, value in state["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state_by_fqn(state: Mapping[str, Any], fqns: Sequence[str]) -> dict[str, Any]:
+    """The inverse of :func:`optimizer_state_by_index`: ``fqns[i]`` names the optimizer's ``i``-th parameter (in
+    ``param_groups`` order), as ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` expects."""
+    return {
+        "state": {fqns[index]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [fqns[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
 
 
 def consolidate(checkpoint_dir: str | Path, output: str | Path) -> dict[str, Any]:

@@ -411,17 +411,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
             if not any(True for _ in child.parameters()):
                 continue
             inside = {id(sub) for sub in child.modules()}
-            if experts:
-                self._fsdp_around_experts(child, mesh, mp_policy,
-                                          [b for b in blocks if id(b) in inside and b is not child], experts)
-                continue
+            inner, ignored = self._expert_units(child, mesh, experts) if experts else ((), None)
             apply_fsdp(child, mesh, mp_policy=mp_policy, reshard_after_forward=self.reshard_after_forward,
-                       cpu_offload=self.cpu_offload, blocks=[b for b in blocks if id(b) in inside and b is not child])
+                       cpu_offload=self.cpu_offload, blocks=[b for b in blocks if id(b) in inside and b is not child],
+                       inner_units=inner, ignored_params=ignored)
 
-    def _fsdp_around_experts(self, child: nn.Module, mesh, mp_policy, blocks: list[nn.Module],
-                             experts: set[nn.Parameter]) -> None:
-        """:func:`apply_fsdp` for a model whose expert weights are already ``Shard(0)`` DTensors on the ep mesh:
-        the dense FSDP of their block over ``dp_shard`` must not shard them again (ep borrows its ranks from it).
+    def _expert_units(
+        self, child: nn.Module, mesh: DeviceMesh, experts: set[nn.Parameter]
+    ) -> tuple[list[tuple[nn.Module | list[nn.Module], DeviceMesh]], set[nn.Parameter] | None]:
+        """``(inner_units, ignored_params)`` for :func:`apply_fsdp` of a child whose expert weights are already
+        ``Shard(0)`` DTensors on the ep mesh: the dense FSDP of their block over ``dp_shard`` must not shard them
+        again (ep borrows its ranks from it).
 
         * ``dp_shard == ep`` (``dp_shard_mod_ep`` of size 1): the experts stay outside FSDP (``ignored_params``);
           their gradient is already the data-parallel mean (:mod:`lightning_mm.parallel.experts`).
@@ -434,15 +434,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
         from lightning_mm.parallel.experts import expert_modules
 
         expert_mesh = self.parallel_dims.get_mesh(DP_SHARD_MOD_EP)
+        if expert_mesh.size() == 1:
+            return [], {p for p in child.parameters() if p in experts}
         inner: list[tuple[nn.Module | list[nn.Module], DeviceMesh]] = []
-        if expert_mesh.size() > 1:
-            for module in expert_modules(child):
-                inner.append(([sub for sub in module.children() if any(True for _ in sub.parameters())], mesh))
-                inner.append((module, expert_mesh))
-        apply_fsdp(child, mesh, mp_policy=mp_policy, reshard_after_forward=self.reshard_after_forward,
-                   cpu_offload=self.cpu_offload, blocks=blocks, inner_units=inner,
-                   ignored_params={p for p in child.parameters() if p in experts} if expert_mesh.size() == 1
-                   else None)
+        for module in expert_modules(child):
+            inner.append(([sub for sub in module.children() if any(True for _ in sub.parameters())], mesh))
+            inner.append((module, expert_mesh))
+        return inner, None
 
     # ---------------------------------------------------------------------------------------------- pipeline
 
@@ -705,7 +703,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
         and keeps its shards."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
-            get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
@@ -720,14 +717,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         elif len(saved_optimizers) != len(self.optimizers):
             raise ValueError(f"checkpoint {str(path)!r} has {len(saved_optimizers)} optimizer states, the module "
                              f"configures {len(self.optimizers)}")
+        names = {param: name for name, param in self.model.named_parameters()}
         for optimizer, saved in zip(self.optimizers, saved_optimizers, strict=True):
-            # Index-keyed (torch's Optimizer.state_dict format) -> FQN-keyed, using this optimizer's parameter order.
-            current = get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(full_state_dict=True))
-            fqns = [fqn for group in current["param_groups"] for fqn in group["params"]]
-            by_fqn = {
-                "state": {fqns[index]: value for index, value in saved["state"].items()},
-                "param_groups": [{**group, "params": [fqns[i] for i in group["params"]]}
-                                 for group in saved["param_groups"]],
-            }
-            set_optimizer_state_dict(self.model, optimizer, by_fqn, options=options)
+            # Index-keyed (torch's Optimizer.state_dict format) -> FQN-keyed, in this optimizer's parameter order.
+            fqns = [names[param] for group in optimizer.param_groups for param in group["params"]]
+            set_optimizer_state_dict(self.model, optimizer, ckpt.optimizer_state_by_fqn(saved, fqns), options=options)
         return checkpoint
