@@ -48,6 +48,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -61,11 +62,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-import lightning_mm
-from lightning_mm.datamodules.stages import PatchedSample, collate_one_per_row
-from lightning_mm.launch import run_distributed
-from lightning_mm.models import VLMModule
-from lightning_mm.strategies import HybridParallelStrategy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.helpers' sample generator
+
+import lightning_mm  # noqa: E402
+from lightning_mm.launch import run_distributed  # noqa: E402
+from lightning_mm.models import VLMModule  # noqa: E402
+from lightning_mm.strategies import HybridParallelStrategy  # noqa: E402
+from tests.helpers import random_samples, shard_batches  # noqa: E402
 
 # (label, strategy kind) pairs timed against each other; the second is divided by the first.
 COMPARE = (("model_parallel", "model_parallel"), ("hybrid", "hybrid"))
@@ -150,27 +153,11 @@ def _hand_plan_matches_shipped(module: VLMModule) -> bool:
 # ------------------------------------------------------------------------------------------ data
 
 
-def _samples(count: int, seed: int) -> list[PatchedSample]:
-    """Images of 8-47 patches and captions of 8-31 tokens; every 5th sample has no image."""
-    gen = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(count):
-        n = 0 if i % 5 == 4 else int(torch.randint(8, 48, (1,), generator=gen))
-        length = int(torch.randint(8, 32, (1,), generator=gen))
-        samples.append(PatchedSample(
-            sample_id=i,
-            patches=torch.rand(n, 3 * PATCH_SIZE**2, generator=gen) * 2 - 1,
-            patch_pos=torch.randint(0, 8, (n, 2), generator=gen),
-            tokens=torch.randint(4, VOCAB, (length,), generator=gen),
-        ))
-    return samples
-
-
 def _batches(steps: int, global_batch: int, dp_rank: int, dp_size: int):
-    samples = _samples(steps * global_batch, DATA_SEED)
-    per_rank = global_batch // dp_size
-    return [collate_one_per_row(samples[start + dp_rank * per_rank: start + (dp_rank + 1) * per_rank], pad_id=0)
-            for start in range(0, len(samples), global_batch)]
+    # Images of 8-47 patches and captions of 8-31 tokens; every 5th sample has no image.
+    samples = random_samples(steps * global_batch, PATCH_SIZE, VOCAB, DATA_SEED, patches=(8, 48), tokens=(8, 32),
+                             grid=8)
+    return shard_batches(samples, global_batch, dp_rank, dp_size)
 
 
 # ------------------------------------------------------------------------------------------ measuring
