@@ -30,9 +30,9 @@ def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None) -> tu
     """Concatenate ``x (n_r, ...)`` from every rank along dim 0, keeping the autograd graph.
 
     Ranks may hold different ``n_r`` (e.g. a different number of image-bearing samples): rows are padded
-    to the largest ``n_r`` for the collective (torch's autograd all_gather needs equal shapes) and the
-    padding is cut away afterwards. The backward of ``torch.distributed.nn.functional.all_gather``
-    sums every rank's gradient for the local rows, which is what a loss over the global batch needs.
+    to the largest ``n_r`` for the collective (an all-gather needs equal shapes) and the padding is cut
+    away afterwards. The backward (``_AllGatherSumGrad``, one reduce-scatter) sums every rank's gradient
+    for the local rows, which is what a loss over the global batch needs.
 
     Returns:
         ``(sum_r n_r, ...)`` tensor, and the offset of this rank's rows inside it.
