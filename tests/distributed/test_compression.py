@@ -326,7 +326,8 @@ def _checkpoint_round_trip(rank: int, world: int, directory: str) -> dict:
 
 def _training(rank: int, world: int, directory: str) -> dict:
     out = {f"ddp_{name}": _fit(rank, world, "ddp", kwargs) for name, kwargs in
-           (("plain", None), ("int8", {"topk_ratio": 1.0, "bits": 8}))}
+           (("plain", None), ("int8", {"topk_ratio": 1.0, "bits": 8}),
+            ("top1_ramp", {"topk_ratio": 0.01, "warmup_steps": 1, "sparsity_warmup_steps": 3}))}
     out.update({f"fsdp2_{name}": _fit(rank, world, "fsdp2", kwargs) for name, kwargs in
                 (("plain", None), ("int8", {"topk_ratio": 1.0, "bits": 8}),
                  ("top1", {"topk_ratio": 0.01, "warmup_steps": 1}))})
@@ -368,6 +369,20 @@ def test_fsdp2_top1_percent_sends_over_40x_fewer_bytes_after_warmup():
         assert rows[0]["compression/active"] == 0.0 and rows[0]["compression/ratio"] == 1.0, rows[0]
         assert all(row["compression/active"] == 1.0 for row in rows[1:])
         assert min(row["compression/ratio"] for row in rows[1:]) >= 40, rows
+
+
+def test_ddp_sparsity_warmup_ramps_the_sent_fraction_then_holds_top1_percent():
+    for rank_result in _training_results():
+        rows = rank_result["ddp_top1_ramp"]["metrics"]
+        assert len(rows) == STEPS
+        assert rows[0]["compression/active"] == 0.0 and rows[0]["compression/ratio"] == 1.0, rows[0]
+        # warmup_steps=1, sparsity_warmup_steps=3: 0.01 ** (1/3), 0.01 ** (2/3), then 0.01 for the rest.
+        want = [0.01 ** (1 / 3), 0.01 ** (2 / 3), 0.01, 0.01, 0.01]
+        assert [row["compression/topk_ratio"] for row in rows[1:]] == pytest.approx(want)
+        ratios = [row["compression/ratio"] for row in rows]
+        assert ratios[0] < ratios[1] < ratios[2] < ratios[3], ratios  # fewer bytes with every ramp step
+        assert min(ratios[3:]) >= 40, ratios  # the DDP all-reduce at Top-1 %: both phases compressed
+        assert max(ratios[3:]) < 1.1 * min(ratios[3:]), ratios  # then it holds
 
 
 def test_per_rank_residuals_round_trip_through_a_checkpoint():

@@ -218,8 +218,13 @@ def test_codec_config_errors_name_the_argument(kwargs, name):
         CompressedAllToAll(**kwargs)
 
 
-@pytest.mark.parametrize(("kwargs", "name"), [({"targets": ("grad", "activations")}, "targets"),
-                                               ({"targets": ()}, "targets"), ({"warmup_steps": -1}, "warmup_steps")])
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"targets": ("grad", "activations")}, "targets"), ({"targets": ()}, "targets"),
+    ({"warmup_steps": -1}, "warmup_steps"),
+    ({"sparsity_warmup_steps": -1}, "sparsity_warmup_steps"), ({"sparsity_warmup_steps": 2.5}, "sparsity_warmup_steps"),
+    ({"sparsity_warmup_steps": 10, "topk_ratio": 1.0}, "sparsity_warmup_steps"),
+    ({"sparsity_warmup_steps": 10, "targets": ("moe",)}, "sparsity_warmup_steps"),
+])
 def test_callback_errors_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         CompressedAllToAll(**kwargs)
@@ -249,3 +254,43 @@ def test_callback_rejects_a_strategy_it_cannot_hook_into():
     model = nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="DDP .*or FSDP2"):
         CompressedAllToAll().on_fit_start(_fake_trainer(model, 2), model)
+
+
+def test_sparsity_warmup_decays_geometrically_to_topk_ratio():
+    callback = CompressedAllToAll(topk_ratio=0.01, warmup_steps=3, sparsity_warmup_steps=100)
+    assert [callback.topk_ratio_at(step) for step in range(3)] == [None, None, None]  # uncompressed warm-up
+    ramp = [callback.topk_ratio_at(step) for step in range(3, 103)]
+    assert ramp[0] == pytest.approx(0.01 ** 0.01) and ramp[49] == pytest.approx(0.1)
+    assert all(later < earlier for earlier, later in zip(ramp, ramp[1:], strict=False))
+    # Equal ratios between consecutive steps (geometric), and the last ramp step lands exactly on topk_ratio.
+    assert ramp[50] / ramp[49] == pytest.approx(ramp[1] / ramp[0]) and ramp[-1] == pytest.approx(0.01)
+    assert callback.topk_ratio_at(103) == callback.topk_ratio_at(10_000) == 0.01
+    assert CompressedAllToAll(topk_ratio=0.01, warmup_steps=2).topk_ratio_at(2) == 0.01  # no ramp: straight to it
+
+
+def test_sparsity_warmup_sets_the_codec_of_each_step():
+    callback = CompressedAllToAll(topk_ratio=0.01, warmup_steps=1, sparsity_warmup_steps=4)
+    seen = []
+    for step in range(7):
+        callback.on_train_batch_start(SimpleNamespace(global_step=step), None, None, step)
+        logged = callback.metrics()["compression/topk_ratio"]
+        seen.append((callback.state.active, callback.state.config.topk_ratio, logged))
+    assert seen[0] == (False, 0.01, 1.0)  # warm-up: uncompressed, logged as ratio 1
+    expected = [0.01 ** 0.25, 0.01 ** 0.5, 0.01 ** 0.75, 0.01, 0.01, 0.01]
+    for (active, ratio, logged), want in zip(seen[1:], expected, strict=True):
+        assert active and ratio == pytest.approx(want) and logged == ratio
+    assert callback.config.topk_ratio == 0.01  # the configured target itself is never changed
+
+
+@pytest.mark.parametrize(("optimizer", "topk_ratio", "warns"), [
+    (torch.optim.AdamW, 0.01, True), (torch.optim.Adam, 0.1, True), (torch.optim.SGD, 0.01, False),
+    (torch.optim.AdamW, 1.0, False),
+])
+def test_top_k_with_an_adaptive_optimizer_warns(optimizer, topk_ratio, warns, recwarn):
+    model = nn.Linear(2, 2)
+    trainer = SimpleNamespace(optimizers=[optimizer(model.parameters(), lr=0.1)])
+    CompressedAllToAll(topk_ratio=topk_ratio)._warn_adaptive_topk(trainer)
+    messages = [str(w.message) for w in recwarn if "adaptive optimizers" in str(w.message)]
+    assert bool(messages) == warns, messages
+    if warns:
+        assert optimizer.__name__ in messages[0] and "topk_ratio=1.0" in messages[0]
