@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -195,15 +196,19 @@ class _SGDModule(VLMModule):
         return config
 
 
-def _train(name: str, compression: dict[str, Any] | None, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def _train(name: str, compression: dict[str, Any] | None, seed: int, args: argparse.Namespace,
+           module_type: type[VLMModule] | None = None, extra_callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
+    """One convergence run. ``module_type`` / ``extra_callbacks`` (before the recorder) are for
+    ``compression_remedies.py``; its callbacks may log ``compression/bytes_before|bytes_after|ratio``."""
     L.seed_everything(seed, verbose=False)
     dm = _datamodule(args)
-    module_type = _SGDModule if args.optimizer == "sgd" else VLMModule
+    module_type = module_type or (_SGDModule if args.optimizer == "sgd" else VLMModule)
     module = module_type(preset="tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=48,
                        learning_rate=args.learning_rate, warmup_steps=args.warmup_steps)
     recorder = _Recorder()
     # The compression callback runs first: it logs its step metrics before the recorder reads them.
-    callbacks = ([CompressedAllToAll(**compression, min_numel=args.min_numel)] if compression else []) + [recorder]
+    callbacks = ([CompressedAllToAll(**compression, min_numel=args.min_numel)] if compression else [])
+    callbacks += [*extra_callbacks, recorder]
     trainer = L.Trainer(
         accelerator="cpu", devices=dist.get_world_size(), strategy="ddp", max_steps=args.steps,
         val_check_interval=args.steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
@@ -214,14 +219,14 @@ def _train(name: str, compression: dict[str, Any] | None, seed: int, args: argpa
     trainer.fit(module, datamodule=dm)
     wall = time.perf_counter() - start
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    steps = recorder.compression[args.warmup_compression:] if compression else []
+    steps = recorder.compression[args.warmup_compression:]
     summary = {}
     for key in ("bytes_before", "bytes_after", "ratio", "encode_ms", "decode_ms", "break_even_gbit_s"):
         values = [row[key] for row in steps if key in row]
         summary[key] = statistics.median(values) if values else None
     # Bytes over every step of the run (warm-up included): what a sparsity ramp really saves.
-    before = sum(row.get("bytes_before", 0.0) for row in recorder.compression) if compression else 0.0
-    after = sum(row.get("bytes_after", 0.0) for row in recorder.compression) if compression else 0.0
+    before = sum(row.get("bytes_before", 0.0) for row in recorder.compression)
+    after = sum(row.get("bytes_after", 0.0) for row in recorder.compression)
     summary["ratio_whole_run"] = before / after if after else None
     return {
         "name": name, "config": compression, "seed": seed, "losses": recorder.losses,
@@ -450,14 +455,21 @@ def _link_table(measured: dict[str, Any]) -> dict[str, Any]:
     return {"measured": measured, "rows": rows, "measured_break_even_gbit_s": break_even}
 
 
+def machine() -> dict[str, Any]:
+    """What the results were measured on (stored with them)."""
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "lightning": L.__version__,
+            "lightning_mm": getattr(lightning_mm, "__version__", None)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
     parser.add_argument("--ratio-presets", nargs="+", default=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=300, help="training steps per convergence run")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="convergence runs")
-    # 8 rows: the validation split then has an even number of batches (16), so no rank gets an empty filler batch
-    # (VLMModule's validation metrics fail on one: reported).
+    # 8 rows: the validation split then has an even number of batches (16), so no rank gets an all-padding filler
+    # batch and both ranks score real pairs.
     parser.add_argument("--rows-per-batch", type=int, default=8, help="packed rows per batch and rank (96 slots)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                         help="part 2: the reference AdamW, or SGD + momentum 0.9 (diagnostic; results under a "
@@ -484,12 +496,7 @@ def main() -> None:
         return
     output = Path(args.output)
     previous = json.loads(output.read_text()) if output.exists() else {}
-    record: dict[str, Any] = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__, "lightning": L.__version__,
-                    "lightning_mm": lightning_mm.__version__ if hasattr(lightning_mm, "__version__") else None},
-        "args": vars(args),
-    }
+    record: dict[str, Any] = {"machine": machine(), "args": vars(args)}
     if 1 in args.parts:
         record["part1_bytes"] = {"args": vars(args), **part1(args)}
     elif "part1_bytes" in previous:
