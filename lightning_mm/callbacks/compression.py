@@ -280,8 +280,8 @@ class CompressedAllToAll(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        # global_step is the same on every rank, so all ranks switch on (and ramp) at the same step (they must
-        # agree: a Top-k fraction that differs between ranks still decodes, but they would count bytes apart).
+        # global_step is the same on every rank, so all ranks switch on and ramp at the same step (they must agree:
+        # an uncompressed rank would run a plain all-reduce against its peers' compressed exchange).
         ratio = self.topk_ratio_at(trainer.global_step)
         self.state.active = ratio is not None
         if ratio is not None and ratio != self.state.config.topk_ratio:
