@@ -48,8 +48,8 @@ import compression as bench  # noqa: E402  (benchmarks/compression.py: data, rec
 from lightning_mm.models import VLMModule  # noqa: E402
 from lightning_mm.parallel.compression import (  # noqa: E402
     CodecConfig,
-    CommStats,
     ErrorFeedback,
+    GradCompressionState,
     compressed_all_reduce_coalesced,
     decode,
     encode,
@@ -154,7 +154,7 @@ class UpdateCompression(L.Callback):
 
     def __init__(self, config: CodecConfig, exchange: bool) -> None:
         self.config, self.exchange = config, exchange
-        self.feedback, self.gather_feedback, self.stats = ErrorFeedback(), ErrorFeedback(), CommStats()
+        self.state = GradCompressionState(config)  # residuals (per parameter name) and byte counters
         self.before: dict[str, torch.Tensor] = {}
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -169,22 +169,21 @@ class UpdateCompression(L.Callback):
         named = list(pl_module.named_parameters())
         changes = [p - self.before[name] for name, p in named]
         if self.exchange:
-            large = [c.numel() >= self.config.min_numel for c in changes]
-            world = dist.get_world_size()
-            residuals = [self.feedback.residual(name, c.shape) if big else None
-                         for (name, _), c, big in zip(named, changes, large, strict=True)]
-            gather = [self.gather_feedback.residual(name, (-(-c.numel() // world),)) if big else None
-                      for (name, _), c, big in zip(named, changes, large, strict=True)]
-            self.stats.reset()
-            changes = compressed_all_reduce_coalesced(changes, self.config, None, "avg", residuals, gather, self.stats)
-            pl_module.log_dict({"compression/bytes_before": float(self.stats.bytes_before),
-                                "compression/bytes_after": float(self.stats.bytes_after),
-                                "compression/ratio": self.stats.ratio}, on_step=True, on_epoch=False, batch_size=1)
+            flat = [c.reshape(-1) for c in changes]
+            residuals, gather = self.state.all_reduce_residuals([name for name, _ in named],
+                                                                [c.numel() for c in flat], dist.get_world_size(),
+                                                                flat[0].device)
+            stats = self.state.stats
+            stats.reset()
+            changes = compressed_all_reduce_coalesced(flat, self.config, None, "avg", residuals, gather, stats)
+            pl_module.log_dict({"compression/bytes_before": float(stats.bytes_before),
+                                "compression/bytes_after": float(stats.bytes_after),
+                                "compression/ratio": stats.ratio}, on_step=True, on_epoch=False, batch_size=1)
         else:
-            changes = [_sparsify_with_feedback(name, c, self.config, self.feedback)
+            changes = [_sparsify_with_feedback(name, c, self.config, self.state.feedback)
                        for (name, _), c in zip(named, changes, strict=True)]
         for (name, p), change in zip(named, changes, strict=True):
-            p.copy_(self.before[name] + change)
+            p.copy_(self.before[name] + change.view_as(p))
 
 
 def _runs(args: argparse.Namespace) -> dict[str, tuple[dict | None, type[VLMModule] | None, list[L.Callback]]]:

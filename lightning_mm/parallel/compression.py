@@ -952,6 +952,19 @@ class GradCompressionState:
         self.feedback.load_state_dict(state.get("feedback", {}))
         self.gather_feedback.load_state_dict(state.get("gather_feedback", {}))
 
+    def all_reduce_residuals(
+        self, names: list[str], numels: list[int], world: int, device: torch.device
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Per flattened tensor, the ``residuals`` / ``gather_residuals`` of :func:`compressed_all_reduce_coalesced`:
+        ``(numel,)`` and ``(ceil(numel / world),)`` from ``feedback`` / ``gather_feedback`` under its name; ``None``
+        for tensors under ``config.min_numel`` (all-reduced exactly, so they keep no residual)."""
+        large = [k >= self.config.min_numel for k in numels]
+        residuals = [self.feedback.residual(n, (k,), device) if big else None
+                     for n, k, big in zip(names, numels, large, strict=True)]
+        gather_residuals = [self.gather_feedback.residual(n, (-(-k // world),), device) if big else None
+                            for n, k, big in zip(names, numels, large, strict=True)]
+        return residuals, gather_residuals
+
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future(devices=[value.device] if value.is_cuda else None)
@@ -989,12 +1002,7 @@ def ddp_compression_hook(state: GradCompressionState, bucket: dist.GradBucket) -
         except KeyError:
             raise RuntimeError("a DDP bucket holds a parameter unknown to the compression state; register the "
                                "hook with register_ddp_compression(ddp_model, state)") from None
-        # Tensors under min_numel are all-reduced exactly (see compressed_all_reduce_coalesced): no residual.
-        large = [k >= state.config.min_numel for k in numels]
-        residuals = [state.feedback.residual(n, (k,), buffer.device) if big else None
-                     for n, k, big in zip(names, numels, large, strict=True)]
-        gather_residuals = [state.gather_feedback.residual(n, (-(-k // world),), buffer.device) if big else None
-                            for n, k, big in zip(names, numels, large, strict=True)]
+        residuals, gather_residuals = state.all_reduce_residuals(names, numels, world, buffer.device)
     averaged = compressed_all_reduce_coalesced(grads, state.config, state.group, "avg", residuals, gather_residuals,
                                                state.stats)
     return _completed(torch.cat(averaged))
