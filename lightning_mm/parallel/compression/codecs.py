@@ -1,0 +1,430 @@
+"""Codecs (no process group needed): block INT8 / INT4 quantization, Top-k, the wire format, error feedback.
+
+:func:`quantize_blocks` / :func:`dequantize_blocks`
+    symmetric integer quantization with one scale per block of ``block_size`` consecutive elements:
+    ``scale = max|x_block| / qmax`` (rounded *up* when stored as bf16, so no element is clipped),
+    ``q = round(x / scale)``; hence ``|x - q * scale| <= scale / 2`` for every element.
+:func:`topk_indices`
+    the ``k`` entries of largest magnitude, as ascending indices.
+:func:`encode` / :func:`decode`
+    one tensor -> :class:`Encoded` (dense blocks, Top-k + blocks, or raw) and back. Non-finite inputs
+    (NaN / Inf) and tensors below ``min_numel`` are sent *raw* (uncompressed, in the collective's dtype),
+    never quantized into garbage; :class:`~lightning_mm.parallel.compression.collectives.CommStats` counts them.
+:class:`ErrorFeedback`
+    residuals per key: ``residual <- (x + residual) - decode(sent)``, so what was not sent this time is
+    added to the next tensor of that key (Seide et al. 2014; DGC). The running sum of sent values then
+    trails the running sum of inputs by exactly the current residual, which stays bounded.
+
+Wire format of one payload (``Encoded.to_bytes``; every section padded to a multiple of 8 bytes, so the next one
+can be viewed in place, and so payloads concatenated in a receive buffer stay aligned)::
+
+    header   int32[4]  mode | bits << 8 | dtype_code << 16,  numel,  count,  block_size
+    scales   (ceil(count / block_size),) float32 or bfloat16          dense and sparse
+    indices  (count,) uint8 / int16 / int32 (smallest that fits numel) sparse only
+    values   (count,) int8, or (ceil(count / 2),) uint8 (two 4-bit codes per byte); raw: (numel,) in its dtype
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CodecConfig",
+    "Encoded",
+    "ErrorFeedback",
+    "Mode",
+    "decode",
+    "dequantize_blocks",
+    "encode",
+    "index_dtype_for",
+    "quantize_blocks",
+    "topk_indices",
+]
+
+_HEADER_BYTES = 16
+_ALIGN = 8
+_MAX_NUMEL = 2**31 - 1  # numel and count travel as int32 in the header
+_DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class Mode(enum.IntEnum):
+    """How a payload is encoded."""
+
+    RAW = 0
+    """Uncompressed, in the collective's dtype (non-finite input, or fewer than ``min_numel`` elements)."""
+    DENSE = 1
+    """Every element quantized in blocks."""
+    SPARSE = 2
+    """The Top-k elements quantized in blocks, with their indices."""
+
+
+# --------------------------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """What the codec does to every tensor it sends; all ranks of a collective must use the same one.
+
+    Args:
+        bits: 8 (int8 codes, ``qmax = 127``) or 4 (two codes per byte, ``qmax = 7``).
+        block_size: consecutive elements sharing one scale; smaller blocks follow the data's range more closely
+            (less error) and cost more scale bytes (4 or 2 bytes per block).
+        topk_ratio: fraction of elements kept, in ``(0, 1]``; ``1.0`` means dense quantization (no indices).
+        scale_dtype: ``"float32"`` or ``"bfloat16"`` scales.
+        min_numel: tensors (segments) with fewer elements are sent raw: the header and codec time would not pay.
+    """
+
+    bits: int = 8
+    block_size: int = 128
+    topk_ratio: float = 1.0
+    scale_dtype: str = "float32"
+    min_numel: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 8 or 4, got {self.bits!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if not isinstance(self.topk_ratio, (int, float)) or not 0.0 < self.topk_ratio <= 1.0:
+            raise ValueError(f"topk_ratio must be in (0, 1] (1.0 = dense, no Top-k), got {self.topk_ratio!r}")
+        if self.scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {sorted(_SCALE_DTYPES)}, got {self.scale_dtype!r}")
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    @property
+    def scale_torch_dtype(self) -> torch.dtype:
+        return _SCALE_DTYPES[self.scale_dtype]
+
+    def topk_count(self, numel: int) -> int:
+        """Elements kept out of ``numel`` (at least one)."""
+        return max(1, math.ceil(self.topk_ratio * numel))
+
+
+# --------------------------------------------------------------------------------------------------------- codecs
+
+
+def _round_scale_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale`` (fp32) stored as ``dtype``, never smaller than ``scale``.
+
+    Rounding to nearest could make a bf16 scale slightly smaller than ``max|x| / qmax``; the block maximum
+    would then quantize beyond ``qmax``, be clipped, and break the ``scale / 2`` error bound.
+    """
+    if dtype == torch.float32:
+        return scale
+    stored = scale.to(dtype)
+    low = stored.float() < scale
+    return torch.where(low, torch.nextafter(stored, torch.full_like(stored, math.inf)), stored)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``codes (n,)`` int8 in ``[-7, 7]`` -> ``(ceil(n / 2),)`` uint8, element ``2i`` in the low nibble."""
+    unsigned = (codes.to(torch.int16) + 8).to(torch.uint8)
+    if unsigned.numel() % 2:
+        unsigned = torch.cat([unsigned, unsigned.new_full((1,), 8)])
+    pairs = unsigned.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_nibbles`: ``(ceil(count / 2),)`` uint8 -> ``(count,)`` int8."""
+    pairs = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:count]
+    return (pairs.to(torch.int16) - 8).to(torch.int8)
+
+
+def quantize_blocks(
+    x: torch.Tensor, bits: int = 8, block_size: int = 128, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-block quantization of a finite tensor.
+
+    Args:
+        x: ``(n,)`` (any shape is flattened) finite floating tensor.
+        bits: 8 or 4.
+        block_size: elements per scale; the last block may be shorter.
+        scale_dtype: ``torch.float32`` or ``torch.bfloat16``.
+
+    Returns:
+        ``codes``: ``(n,)`` int8 in ``[-qmax, qmax]`` for 8 bits, ``(ceil(n / 2),)`` uint8 (packed) for 4 bits;
+        ``scales``: ``(ceil(n / block_size),)`` in ``scale_dtype``, ``>= max|x_block| / qmax`` (0 for all-zero
+        blocks). Every element satisfies ``|x - code * scale| <= scale / 2`` (up to fp32 rounding of the product).
+    """
+    flat = x.reshape(-1).float()
+    numel = flat.numel()
+    qmax = 2 ** (bits - 1) - 1
+    blocks_count = -(-numel // block_size)
+    if numel == blocks_count * block_size:
+        padded = flat
+    else:
+        padded = flat.new_zeros(blocks_count * block_size)
+        padded[:numel] = flat
+    blocks = padded.view(blocks_count, block_size)  # (nb, block)
+    scales = _round_scale_up(blocks.abs().amax(dim=1) / qmax, scale_dtype)  # (nb,)
+    divisor = scales.float()
+    # An all-zero block has scale 0; dividing by 1 keeps its codes 0 without a 0/0 NaN.
+    divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
+    codes = (blocks / divisor[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:numel]
+    if bits == 4:
+        codes = _pack_nibbles(codes)
+    return codes, scales
+
+
+def dequantize_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int = 8, block_size: int = 128
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_blocks`: ``codes``, ``scales (nb,)`` -> ``(numel,)`` float32."""
+    if bits == 4:
+        codes = _unpack_nibbles(codes, numel)
+    blocks_count = scales.numel()
+    padded = torch.zeros(blocks_count * block_size, dtype=torch.float32, device=codes.device)
+    padded[:numel] = codes.float()
+    return (padded.view(blocks_count, block_size) * scales.float()[:, None]).reshape(-1)[:numel]
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending ``(k,)`` long indices of the ``k`` elements of ``x (n,)`` with the largest ``|x|``.
+
+    Ties at the k-th magnitude are broken arbitrarily; the kept set always has the k largest magnitudes.
+    """
+    if not 0 < k <= x.numel():
+        raise ValueError(f"k must be in [1, {x.numel()}], got {k}")
+    return torch.topk(x.reshape(-1).abs(), k, sorted=False).indices.sort().values
+
+
+def index_dtype_for(numel: int) -> torch.dtype:
+    """Smallest integer dtype that holds every index of a ``numel``-element tensor."""
+    if numel <= 2**8:
+        return torch.uint8
+    if numel <= 2**15:
+        return torch.int16
+    return torch.int32
+
+
+@dataclass
+class Encoded:
+    """One encoded tensor, in memory; :meth:`to_bytes` / :meth:`from_bytes` give the wire form.
+
+    Attributes:
+        mode: raw, dense or sparse.
+        numel: elements of the original (flattened) tensor.
+        values: raw: ``(numel,)`` in the raw dtype; otherwise the quantized codes of ``count`` elements.
+        scales: ``(ceil(count / block_size),)`` block scales (dense / sparse).
+        indices: ``(count,)`` ascending indices of the kept elements (sparse), dtype from :func:`index_dtype_for`.
+        bits: code width (dense / sparse).
+        block_size: elements per scale (dense / sparse).
+        reason: why a raw payload is raw (``"nonfinite"`` / ``"small"``); not sent.
+    """
+
+    mode: Mode
+    numel: int
+    values: torch.Tensor
+    scales: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    bits: int = 8
+    block_size: int = 0
+    reason: str | None = None
+
+    @property
+    def count(self) -> int:
+        """Elements carried: ``numel`` (raw, dense) or ``k`` (sparse)."""
+        return self.indices.numel() if self.mode == Mode.SPARSE else self.numel
+
+    def _sections(self) -> list[torch.Tensor]:
+        sections = [self.values] if self.mode == Mode.RAW else [self.scales, self.values]
+        if self.mode == Mode.SPARSE:
+            sections.insert(1, self.indices)
+        return sections
+
+    @property
+    def nbytes(self) -> int:
+        """Size on the wire: header plus each section padded to 8 bytes."""
+        return _HEADER_BYTES + sum(_aligned(t.numel() * t.element_size()) for t in self._sections())
+
+    def to_bytes(self) -> torch.Tensor:
+        """The wire form: ``(nbytes,)`` uint8."""
+        device = self.values.device
+        out = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        dtype_code = _DTYPE_CODES[self.values.dtype if self.mode == Mode.RAW else self.scales.dtype]
+        header = torch.tensor(
+            [int(self.mode) | self.bits << 8 | dtype_code << 16, self.numel, self.count, self.block_size],
+            dtype=torch.int32,
+        )
+        out[:_HEADER_BYTES] = header.view(torch.uint8).to(device)
+        offset = _HEADER_BYTES
+        for section in self._sections():
+            raw = section.contiguous().view(-1).view(torch.uint8)
+            out[offset : offset + raw.numel()] = raw
+            offset += _aligned(raw.numel())
+        return out
+
+    @staticmethod
+    def from_bytes(buffer: torch.Tensor) -> Encoded:
+        """Parse the payload at the start of ``buffer`` (uint8, 8-byte aligned); tensors are views of it."""
+        return Encoded._read(buffer, 0)[0]
+
+    @staticmethod
+    def _read(buffer: torch.Tensor, offset: int) -> tuple[Encoded, int]:
+        """The payload at ``buffer[offset:]`` and the offset just past it (payloads are self-delimiting)."""
+        if buffer.dtype != torch.uint8 or buffer.numel() < offset + _HEADER_BYTES:
+            raise ValueError(f"no payload header at byte {offset} of a {buffer.numel()}-byte {buffer.dtype} buffer")
+        word, numel, count, block_size = buffer[offset : offset + _HEADER_BYTES].view(torch.int32).tolist()
+        mode, bits, dtype = Mode(word & 0xFF), (word >> 8) & 0xFF, _CODE_DTYPES[(word >> 16) & 0xFF]
+        offset += _HEADER_BYTES
+
+        def take(n: int, section_dtype: torch.dtype) -> torch.Tensor:
+            nonlocal offset
+            size = n * section_dtype.itemsize
+            view = buffer[offset : offset + size].view(section_dtype)
+            offset += _aligned(size)
+            return view
+
+        if mode == Mode.RAW:
+            return Encoded(Mode.RAW, numel, take(numel, dtype)), offset
+        scales = take(-(-count // block_size), dtype)
+        indices = take(count, index_dtype_for(numel)) if mode == Mode.SPARSE else None
+        values = take(-(-count // 2), torch.uint8) if bits == 4 else take(count, torch.int8)
+        encoded = Encoded(mode, numel, values, scales=scales, indices=indices, bits=bits, block_size=block_size)
+        return encoded, offset
+
+
+def _parse_blob(blob: torch.Tensor, count: int) -> list[Encoded]:
+    """The first ``count`` payloads of a concatenation of payloads."""
+    payloads, offset = [], 0
+    for _ in range(count):
+        encoded, offset = Encoded._read(blob, offset)
+        payloads.append(encoded)
+    return payloads
+
+
+def _dense_bytes(count: int, config: CodecConfig) -> int:
+    scale_size = config.scale_torch_dtype.itemsize
+    code_bytes = -(-count // 2) if config.bits == 4 else count
+    return _aligned(-(-count // config.block_size) * scale_size) + _aligned(code_bytes)
+
+
+def encode(x: torch.Tensor, config: CodecConfig, raw_dtype: torch.dtype | None = None) -> Encoded:
+    """Encode ``x`` (any shape, flattened to ``(numel,)``) as ``config`` says.
+
+    Raw (uncompressed, cast to ``raw_dtype``, default ``x.dtype``) when ``x`` holds a NaN or Inf (quantizing
+    would turn the whole block into NaN or zeros) or has fewer than ``config.min_numel`` elements. Top-k is used
+    only when its payload is smaller than the dense one (tiny tensors keep every element).
+    """
+    flat = x.reshape(-1)
+    numel = flat.numel()
+    if numel > _MAX_NUMEL:
+        raise ValueError(f"cannot encode a tensor of {numel} elements (at most {_MAX_NUMEL}); split it first")
+    raw_dtype = raw_dtype or x.dtype
+    if raw_dtype not in _DTYPE_CODES:
+        raise ValueError(f"raw_dtype must be one of {list(_DTYPE_CODES)}, got {raw_dtype}")
+    if numel == 0:
+        return Encoded(Mode.RAW, 0, flat.to(raw_dtype))
+    if numel < config.min_numel:
+        return Encoded(Mode.RAW, numel, flat.to(raw_dtype), reason="small")
+    # One reduction instead of an elementwise isfinite (30x slower on CPU): the sum is finite iff every element
+    # is, except when finite values overflow it, which then only sends a (correct) raw payload.
+    if not bool(torch.isfinite(flat.sum())):
+        return Encoded(Mode.RAW, numel, flat.to(raw_dtype), reason="nonfinite")
+    common = {"bits": config.bits, "block_size": config.block_size}
+    k = config.topk_count(numel)
+    index_size = index_dtype_for(numel).itemsize
+    if config.topk_ratio < 1.0 and _aligned(k * index_size) + _dense_bytes(k, config) < _dense_bytes(numel, config):
+        indices = topk_indices(flat, k)
+        codes, scales = quantize_blocks(flat[indices], config.bits, config.block_size, config.scale_torch_dtype)
+        return Encoded(Mode.SPARSE, numel, codes, scales=scales, indices=indices.to(index_dtype_for(numel)),
+                       **common)
+    codes, scales = quantize_blocks(flat, config.bits, config.block_size, config.scale_torch_dtype)
+    return Encoded(Mode.DENSE, numel, codes, scales=scales, **common)
+
+
+def decode(encoded: Encoded) -> torch.Tensor:
+    """``(numel,)`` float32 values of an :class:`Encoded` (zeros where Top-k dropped elements)."""
+    if encoded.mode == Mode.RAW:
+        return encoded.values.float()
+    values = dequantize_blocks(encoded.values, encoded.scales, encoded.count, encoded.bits, encoded.block_size)
+    if encoded.mode == Mode.DENSE:
+        return values
+    out = torch.zeros(encoded.numel, dtype=torch.float32, device=values.device)
+    out[encoded.indices.long()] = values
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------- state
+
+
+class ErrorFeedback:
+    """Error-feedback residuals, one fp32 tensor per key (a parameter name, a bucket, an FSDP unit).
+
+    ``compensated = x + residual``; after sending ``encode(compensated)``,
+    ``residual = compensated - decode(sent)``. Summed over steps, the sent values equal the summed inputs minus
+    the current residual, so nothing is lost for good, only delayed. Residuals are kept in fp32 whatever the
+    gradient dtype: a bf16 residual would round away the small values it exists to accumulate.
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, torch.Tensor] = {}
+        self.resets: list[str] = []
+        """Keys whose stored residual had the wrong shape (e.g. a checkpoint from another layout) and was reset."""
+
+    def residual(
+        self, key: str, shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """The residual of ``key`` (zeros the first time), on ``device``; callers update it in place."""
+        shape = torch.Size(shape)
+        stored = self._residuals.get(key)
+        if stored is not None and stored.shape != shape:
+            self.resets.append(key)
+            stored = None
+        if stored is None:
+            stored = torch.zeros(shape, dtype=torch.float32, device=device)
+        elif stored.device != torch.device(device):
+            stored = stored.to(device)
+        self._residuals[key] = stored
+        return stored
+
+    def compensate(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """``x + residual`` in fp32 (a new tensor)."""
+        return x.float() + self.residual(key, x.shape, x.device)
+
+    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+        """``residual = compensated - sent``; non-finite differences (a raw NaN payload) become 0."""
+        _store_residual(self.residual(key, compensated.shape, compensated.device), compensated, sent)
+
+    def keys(self) -> list[str]:
+        return list(self._residuals)
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._residuals
+
+    def clear(self) -> None:
+        self._residuals.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of every residual."""
+        return {key: value.detach().cpu().clone() for key, value in self._residuals.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace every residual by ``state``'s (moved to the right device on first use)."""
+        self._residuals = {key: value.detach().float().clone() for key, value in state.items()}
+
+
+def _store_residual(residual: torch.Tensor, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+    # A raw payload carrying NaN / Inf leaves NaN - NaN here; the residual must stay finite or it would poison
+    # every later step of this key, so the non-finite entries start over from 0.
+    residual.copy_((compensated.reshape(residual.shape) - sent.reshape(residual.shape)).nan_to_num_(0.0, 0.0, 0.0))
