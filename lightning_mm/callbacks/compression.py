@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_mm.callbacks._common import _rank, _world
 from lightning_mm.parallel.compression import (
     CodecConfig,
     GradCompressionState,
@@ -33,12 +34,6 @@ _TARGETS = ("grad", "moe")
 _ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
                         torch.optim.Adagrad, torch.optim.RMSprop)
 _STATE_VERSION = 1
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 class CompressedAllToAll(pl.Callback):
@@ -341,7 +336,7 @@ class CompressedAllToAll(pl.Callback):
         ``{"version", "world_size", "residuals_by_rank": [rank 0's, rank 1's, ...]}``; other ranks return
         ``residuals_by_rank=None`` (Lightning saves rank 0's dict only).
         """
-        world, rank = _world()
+        world, rank = _world(), _rank()
         local = self.state.residual_state() if self.error_feedback else {}
         if world == 1:
             by_rank: list[Any] | None = [local]
@@ -354,7 +349,7 @@ class CompressedAllToAll(pl.Callback):
         by_rank = state_dict.get("residuals_by_rank")
         if not self.error_feedback or by_rank is None:
             return
-        world, rank = _world()
+        world, rank = _world(), _rank()
         if len(by_rank) != world:
             rank_zero_warn(f"CompressedAllToAll: the checkpoint holds error-feedback residuals of {len(by_rank)} "
                            f"rank(s), this run has {world}; residuals restart from zero")

@@ -19,15 +19,9 @@ from torch import nn
 
 from lightning_mm.batch import IGNORE_INDEX
 from lightning_mm.callbacks import BadBatchGuard, GradientConsistencyCheck, RankWatchdog
-from lightning_mm.callbacks.reliability import (
-    _DONE,
-    _log_rows,
-    _node_id,
-    _process_start,
-    compare_gradients,
-    compare_layouts,
-    fingerprint_error,
-)
+from lightning_mm.callbacks._common import _log_rows
+from lightning_mm.callbacks.gradient_consistency import compare_gradients, compare_layouts, fingerprint_error
+from lightning_mm.callbacks.rank_watchdog import _DONE, _node_id, _process_start
 from lightning_mm.datamodules.regroup import collate_packed
 from lightning_mm.datamodules.stages import PatchedSample
 from lightning_mm.models import VisionLanguageModel, build_config, compute_losses
