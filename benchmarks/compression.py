@@ -52,9 +52,9 @@ import torch.distributed as dist
 import lightning_mm
 from lightning_mm.callbacks.compression import CompressedAllToAll
 from lightning_mm.datamodules.web import ImageTextWebDataModule
-from lightning_mm.launch import run_distributed
 from lightning_mm.models import VisionLanguageModel, VLMModule, build_config, compute_losses
 from lightning_mm.parallel.compression import CodecConfig, decode, encode
+from lightning_mm.testing.launch import run_distributed
 
 # name -> codec (part 1)
 CODECS: dict[str, dict[str, Any]] = {

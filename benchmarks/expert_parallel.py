@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm.datamodules.stages import PatchedSample, collate_one_per_row  # noqa: E402
-from lightning_mm.launch import run_distributed  # noqa: E402
 from lightning_mm.models import VLMModule  # noqa: E402
 from lightning_mm.parallel import experts as ep_lib  # noqa: E402
 from lightning_mm.strategies import HybridParallelStrategy  # noqa: E402
+from lightning_mm.testing.launch import run_distributed  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "expert_parallel.json"
 CONFIGS: dict[str, tuple[int, int, dict]] = {  # name -> (world, ep, model overrides)

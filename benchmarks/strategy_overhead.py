@@ -65,9 +65,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.helpers' sample generator
 
 import lightning_mm  # noqa: E402
-from lightning_mm.launch import run_distributed  # noqa: E402
 from lightning_mm.models import VLMModule  # noqa: E402
 from lightning_mm.strategies import HybridParallelStrategy  # noqa: E402
+from lightning_mm.testing.launch import run_distributed  # noqa: E402
 from tests.helpers import random_samples, shard_batches  # noqa: E402
 
 # (label, strategy kind) pairs timed against each other; the second is divided by the first.

@@ -1,4 +1,4 @@
-"""Shared test helpers: run a function on N gloo ranks (``lightning_mm.launch``); tiny synthetic batches; a loss
+"""Shared test helpers: run a function on N gloo ranks (``lightning_mm.testing.launch``); tiny synthetic batches; a loss
 recorder."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.stages import PatchedSample, collate_one_per_row
-from lightning_mm.launch import free_port, run_distributed
+from lightning_mm.testing.launch import free_port, run_distributed
 
 __all__ = ["LossRecorder", "free_port", "random_samples", "run_distributed", "shard_batches"]
 

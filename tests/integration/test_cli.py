@@ -14,7 +14,7 @@ from lightning_mm.checkpoint import read_topology
 from lightning_mm.cli import VLMLightningCLI, configure_wandb_mode, main
 from lightning_mm.datamodules import ImageTextWebDataModule, SimpleImageTextDataModule
 from lightning_mm.models import VLMModule
-from lightning_mm.wandb_offline import find_offline_runs, metric_series, read_offline_history
+from lightning_mm.testing.wandb_offline import find_offline_runs, metric_series, read_offline_history
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))

@@ -1,0 +1,12 @@
+"""Helpers for tests and CPU benchmarks, not used by the training code itself.
+
+``launch``         :func:`run_distributed` runs a function on N local gloo ranks as torchrun would start them;
+                   :func:`free_port`.
+``wandb_offline``  :func:`find_offline_runs`, :func:`read_offline_history`, :func:`metric_series`: the metrics of
+                   an offline W&B run, read without uploading it.
+"""
+
+from lightning_mm.testing.launch import free_port, run_distributed
+from lightning_mm.testing.wandb_offline import find_offline_runs, metric_series, read_offline_history
+
+__all__ = ["find_offline_runs", "free_port", "metric_series", "read_offline_history", "run_distributed"]
