@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "make-shards":
-        from lightning_mm.datamodules.synthetic import make_shards_main
+        from lightning_mm.datamodules.synthetic_cli import make_shards_main
 
         raise SystemExit(make_shards_main(argv[1:]))
     if argv and argv[0] == "consolidate":

@@ -24,9 +24,9 @@ from lightning_mm.datamodules.synthetic import (
     default_cache_dir,
     ensure_synthetic_shards,
     make_shards,
-    make_shards_main,
     render_sample,
 )
+from lightning_mm.datamodules.synthetic_cli import make_shards_main
 
 TINY = SYNTHETIC_PRESETS["tiny"]
 # Smallest valid settings, for tests that only need "some" dataset.
