@@ -481,8 +481,8 @@ class Trainer:
     """Model, optimizer and one step; the pieces the eager and compiled runs share."""
 
     def __init__(self, config, device: torch.device, precision: str, lr: float) -> None:
-        from lightning_mm.models.losses import compute_losses
         from lightning_mm.models.vlm import VisionLanguageModel
+        from lightning_mm.models.vlm.losses import compute_losses
 
         self.device, self.precision, self.compute_losses = device, precision, compute_losses
         torch.manual_seed(0)
@@ -794,7 +794,7 @@ def main() -> int:
     import_error = None
     try:
         import lightning_mm.datamodules.regroup  # noqa: F401
-        import lightning_mm.models.losses  # noqa: F401
+        import lightning_mm.models.vlm.losses  # noqa: F401
     except ImportError as exc:
         import_error = (f"cannot import lightning_mm ({type(exc).__name__}: {exc}); install the package and its "
                         f"dependencies (scripts/setup.sh, or `pip install -e .`)")

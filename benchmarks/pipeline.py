@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_mm.models import VLMModule  # noqa: E402
-from lightning_mm.parallel.pipeline import pad_batch  # noqa: E402
+from lightning_mm.models.vlm.pipeline import pad_batch  # noqa: E402
 from lightning_mm.strategies import HybridParallelStrategy  # noqa: E402
 from lightning_mm.testing.launch import run_distributed  # noqa: E402
 from tests.helpers import random_samples, shard_batches  # noqa: E402

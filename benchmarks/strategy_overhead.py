@@ -136,7 +136,8 @@ class HandParallelVLM(VLMModule):
 
 def _hand_plan_matches_shipped(module: VLMModule) -> bool:
     """The hand-written TP plan shards exactly the modules (with the same styles) as the shipped plan."""
-    from lightning_mm.parallel.plans import reference_vlm_plan, resolve_plan
+    from lightning_mm.models.vlm.parallelize import reference_vlm_plan
+    from lightning_mm.parallel.plans import resolve_plan
 
     shipped = {fqn: type(style).__name__ for fqn, style in resolve_plan(module.model, reference_vlm_plan()).items()}
     hand = {}

@@ -1,13 +1,13 @@
-"""The reference vision-language model."""
+"""The reference vision-language model (:mod:`lightning_mm.models.vlm`) and metrics.
 
-from lightning_mm.models.losses import VLMLosses, compute_losses
+Importing this package does not import :mod:`lightning_mm.strategies`; ``Trainer(strategy="hybrid")`` needs
+``import lightning_mm.strategies`` (the ``lightning-mm`` CLI does it).
+"""
+
 from lightning_mm.models.metrics import ImageTextRecallAtK
-from lightning_mm.models.module import VLMModule
-from lightning_mm.models.vlm import PRESETS, VisionLanguageModel, VLMConfig, build_config
-
-# Registers "hybrid" in Lightning's strategy registry, so Trainer(strategy="hybrid") works for anyone who imports
-# the reference model (and for the lightning-mm CLI, which does).
-import lightning_mm.strategies  # noqa: E402,F401  isort: skip
+from lightning_mm.models.vlm.losses import VLMLosses, compute_losses
+from lightning_mm.models.vlm.model import PRESETS, VisionLanguageModel, VLMConfig, build_config
+from lightning_mm.models.vlm.module import VLMModule
 
 __all__ = [
     "PRESETS",

@@ -1,7 +1,7 @@
-"""Plain torch.distributed building blocks (no Lightning imports): the mesh (``dims``), tensor-parallel
-plans (``plans``), FSDP2 / HSDP (``fsdp``), the collectives the losses need, ``pipeline`` (splits the reference VLM
-into stages that keep its FQNs) and ``experts`` (shards the modality experts over an ep axis); compression lands with
-its issue."""
+"""Plain torch.distributed building blocks (no Lightning, no model imports): the mesh (``dims``), what a model
+declares (``protocol``), tensor-parallel plans (``plans``), FSDP2 / HSDP (``fsdp``), generic pipeline cutting and
+schedules (``pipeline``), expert dispatch (``experts``), the collectives the losses need and compressed
+communication (``compression``)."""
 
 from lightning_mm.parallel.dims import MeshAxis, ParallelDims
 from lightning_mm.parallel.experts import (
@@ -13,35 +13,37 @@ from lightning_mm.parallel.experts import (
 )
 from lightning_mm.parallel.fsdp import apply_fsdp, mixed_precision_policy, transformer_blocks
 from lightning_mm.parallel.pipeline import (
+    PassThrough,
     PipelineSplit,
-    PipelineStageModule,
     auto_split,
     build_schedule,
     explicit_split,
-    pad_batch,
-    prune_model,
+    sequential_pipeline_spec,
 )
-from lightning_mm.parallel.plans import apply_tensor_parallel, reference_vlm_plan, resolve_plan
+from lightning_mm.parallel.plans import apply_tensor_parallel, resolve_plan
+from lightning_mm.parallel.protocol import MeanLossObjective, ParallelPlan, PipelineObjective, PipelineSpec
 
 __all__ = [
     "ExpertParallelStats",
+    "MeanLossObjective",
     "MeshAxis",
+    "ParallelDims",
+    "ParallelPlan",
+    "PassThrough",
+    "PipelineObjective",
+    "PipelineSpec",
     "PipelineSplit",
-    "PipelineStageModule",
+    "apply_expert_parallel",
+    "apply_fsdp",
+    "apply_tensor_parallel",
     "auto_split",
     "build_schedule",
     "explicit_split",
     "expert_order",
     "expert_parameters",
-    "pad_batch",
-    "prune_model",
-    "ParallelDims",
-    "apply_expert_parallel",
-    "apply_fsdp",
-    "apply_tensor_parallel",
     "mixed_precision_policy",
-    "reference_vlm_plan",
     "resolve_plan",
+    "sequential_pipeline_spec",
     "to_logical_order",
     "transformer_blocks",
 ]

@@ -9,7 +9,8 @@ mean only one block's full parameters exist at a time in forward and backward, a
 The mesh is 1-D (FSDP: parameters sharded over ``dp_shard``) or 2-D (HSDP: ``(dp_replicate, dp_shard)``,
 sharded inside a group, replicated across groups); pass ``dims.get_mesh(dims.fsdp_axes)``. FSDP2 averages
 gradients over the whole data-parallel mesh (reduce-scatter over shard, all-reduce over replicate, both divided
-by the group size), which is the averaging :func:`lightning_mm.models.losses.compute_losses` is written for.
+by the group size), which is the averaging the reference model's losses (:mod:`lightning_mm.models.vlm.losses`)
+are written for.
 """
 
 from __future__ import annotations
@@ -56,30 +57,14 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
     raise ValueError(f"unsupported precision={precision!r} for FSDP; supported values: {SUPPORTED_PRECISIONS}")
 
 
-def _reference_blocks(model: nn.Module) -> list[nn.Module] | None:
-    """The reference VLM's blocks, found by structure (importing the class would import Lightning)."""
-    vision = getattr(model, "vision", None)
-    lists = (getattr(vision, "blocks", None), getattr(model, "unimodal_layers", None),
-             getattr(model, "fusion_layers", None))
-    if not all(isinstance(layers, nn.ModuleList) for layers in lists):
-        return None
-    return [block for layers in lists for block in layers]
-
-
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks :func:`apply_fsdp` shards one by one, in forward order where the model defines it.
 
-    Rule:
-
-    - Reference VLM (a model with ModuleLists ``vision.blocks``, ``unimodal_layers`` and ``fusion_layers``):
-      the items of exactly those three lists, in that order (the forward order).
-    - Any other model: the items of every ``nn.ModuleList`` in the module tree that is not itself inside an
-      already selected item (outermost lists only; a list nested in a block belongs to that block's unit),
-      in ``named_modules()`` order. A model without ModuleLists gives ``[]`` (only the root is sharded).
+    The generic rule for a model that declares no blocks of its own (``ParallelPlan.blocks``): the items of every
+    ``nn.ModuleList`` in the module tree that is not itself inside an already selected item (outermost lists only;
+    a list nested in a block belongs to that block's unit), in ``named_modules()`` order. A model without
+    ModuleLists gives ``[]`` (only the root is sharded).
     """
-    reference = _reference_blocks(model)
-    if reference is not None:
-        return reference
     blocks: list[nn.Module] = []
     inside: set[str] = set()  # qualified names of selected blocks; their submodules are skipped
     for name, module in model.named_modules():

@@ -11,7 +11,7 @@ group exists:
 * ``"rowwise"``   -> :class:`~torch.distributed.tensor.parallel.RowwiseParallel`: the matching ``nn.Linear`` whose
   input features are split; its output is all-reduced back to a replicated tensor (``o_proj``, ``fc2``).
 * ``"sequence"``  -> :class:`~torch.distributed.tensor.parallel.SequenceParallel` (norms / dropout on
-  sequence-sharded activations; used by ``reference_vlm_plan(sequence_parallel=True)``).
+  sequence-sharded activations; used by the reference model's sequence-parallel plan).
 * ``"replicate"`` -> :class:`ReplicateParallel`: parameters become replicated DTensors on the tp mesh, inputs and
   outputs stay plain tensors. Numerically a no-op; it makes every parameter of a module a DTensor on the same mesh,
   which is what composing TP with FSDP later expects.
@@ -24,7 +24,8 @@ Pairing colwise with rowwise means one all-reduce per attention / MLP in forward
 between them (head split, rotary, SDPA, GELU) runs on local shards with no communication. Sequence parallelism
 splits each all-reduce into a reduce-scatter (at the row-parallel output) and an all-gather (before the next
 column-parallel input), the same bytes on the wire, and keeps the residual stream and the norms between them
-sharded along the sequence (``1/tp`` of their activation memory); see :func:`reference_vlm_plan`.
+sharded along the sequence (``1/tp`` of their activation memory); see
+:func:`lightning_mm.models.vlm.parallelize.reference_vlm_plan`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -52,10 +52,11 @@ from lightning_mm.parallel.dims import check_divisible
 
 __all__ = [
     "STYLES",
+    "GatherSequence",
     "ReplicateParallel",
-    "reference_vlm_plan",
-    "resolve_plan",
     "apply_tensor_parallel",
+    "gather_first_input",
+    "resolve_plan",
 ]
 
 STYLES: tuple[str, ...] = ("colwise", "rowwise", "sequence", "replicate")
@@ -103,7 +104,7 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
 
 
-class _GatherSequence(ParallelStyle):
+class GatherSequence(ParallelStyle):
     """Run a module with plain parameters on the whole sequence from inside a sequence-parallel region.
 
     For a call whose first input is a DTensor (the sequence-sharded text of a fusion block), every DTensor input is
@@ -166,65 +167,7 @@ def _style(name: str) -> ParallelStyle:
     return ReplicateParallel()
 
 
-def reference_vlm_plan(sequence_parallel: bool = False) -> dict[str, str | ParallelStyle]:
-    """The shipped TP plan of :class:`~lightning_mm.models.vlm.VisionLanguageModel`.
-
-    Every attention (ViT, unimodal decoder, fusion self- and cross-attention) is sharded by heads: q/k/v colwise,
-    o rowwise. For cross-attention, k/v read the image features, which are replicated on every tp rank, so each
-    rank attends with its own heads over the full image with no extra communication. Every MLP is fc1 colwise,
-    fc2 rowwise. Left replicated (plain tensors): patch / token embeddings, projector, norms, pooling heads, the
-    LM head, and the stacked modality experts (expert parallelism is a separate axis).
-
-    ``sequence_parallel=True`` (Megatron-LM's sequence parallelism, as torchtitan applies it) additionally keeps
-    the *residual stream* of every transformer block sharded along the sequence, dim 1 of ``(R, L, D)``, as a
-    ``Shard(1)`` DTensor on the tp mesh:
-
-    * **Sharded** (``(R, L/tp, D)`` per rank): the hidden states between and inside the ViT blocks (patches), the
-      unimodal decoder layers and the fusion layers (text tokens), and the norms that read them (``attn_norm``,
-      ``mlp_norm``, ``self_attn_norm``, ``cross_attn_norm``, ``text_ffn_norm``, ``vision.norm``, ``norm``;
-      ``"sequence"`` style, weights become replicated DTensors whose gradients DTensor sums over the shards).
-      The first block of each stack keeps only this rank's chunk of its whole input (no communication). Before
-      q/k/v and fc1 the sequence is all-gathered once per attention / MLP (:class:`PrepareModuleInput`), and
-      o_proj / fc2 reduce-scatter onto the sequence shards (``RowwiseParallel(output_layouts=Shard(1))``)
-      instead of all-reducing. Sequence lengths need not be divisible by tp: the residual stream stays a DTensor
-      (``use_local_output=False``), which carries the global length, and DTensor shards unevenly like
-      ``torch.chunk`` (a rank may hold zero tokens when ``L < tp``).
-    * **Whole on every tp rank** (plain tensors): attention masks, rotary tables and segment ids (attention
-      runs on the gathered sequence, so they need no slicing); the embeddings (run once on the whole sequence,
-      then sharded: their plain parameters get the full gradient); the vision encoder's output (gathered after
-      ``vision.norm``: segment max-pooling, the projector and the media tokens need every patch); the pooled
-      text embedding (gathered before ``text_pool_norm``: the caption's last token may live on another rank);
-      the media stream of the fusion layers (keys / values of cross-attention, media experts); the modality
-      experts on text (:class:`_GatherSequence`: their parameters are plain and their routing statistics must
-      count every token); the LM head (gathered before it; the loss reads every position's logits).
-    * The cross-attention's gated residual (:class:`~lightning_mm.models.vlm.GatedResidual`) receives the gate
-      parameter as a replicated DTensor, so its gradient (a sum over this rank's tokens) is all-reduced over
-      the tp ranks, and the has-key mask is split like the text.
-
-    SP norms wrap their weights with ``DTensor.from_local`` (no broadcast, as torch's ``SequenceParallel``
-    documents), so every tp rank must hold the same norm weights when the plan is applied (same seed or the same
-    checkpoint), as for every other replicated parameter here.
-    """
-    plan: dict[str, str | ParallelStyle] = {}
-    attention_prefixes = (
-        "vision.blocks.*.attn",
-        "unimodal_layers.*.attn",
-        "fusion_layers.*.self_attn",
-        "fusion_layers.*.cross_attn",
-    )
-    for prefix in attention_prefixes:
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            plan[f"{prefix}.{proj}"] = "colwise"
-        plan[f"{prefix}.o_proj"] = "rowwise"
-    for prefix in ("vision.blocks.*.mlp", "unimodal_layers.*.mlp"):
-        plan[f"{prefix}.fc1"] = "colwise"
-        plan[f"{prefix}.fc2"] = "rowwise"
-    if sequence_parallel:
-        plan.update(_sequence_parallel_entries(plan))
-    return plan
-
-
-def _gather_first_input(arity: int) -> PrepareModuleInput:
+def gather_first_input(arity: int) -> PrepareModuleInput:
     """All-gather a module's first positional input (the sequence-sharded hidden states) to the whole sequence.
 
     The result stays a replicated DTensor, so q/k/v (or fc1) share one all-gather and their Partial input
@@ -233,54 +176,6 @@ def _gather_first_input(arity: int) -> PrepareModuleInput:
     """
     rest = (None,) * (arity - 1)
     return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
-
-
-def _sequence_parallel_entries(plan: dict[str, str | ParallelStyle]) -> dict[str, str | ParallelStyle]:
-    sequence = Shard(1)
-    entries: dict[str, str | ParallelStyle] = {
-        # Row-parallel outputs: reduce-scatter onto the sequence shards; a DTensor, so uneven lengths keep their
-        # global size through the residual adds.
-        pattern: RowwiseParallel(output_layouts=sequence, use_local_output=False)
-        for pattern, style in plan.items()
-        if style == "rowwise"
-    }
-    # Enter: the embeddings' output is whole on every rank; the first block keeps this rank's chunk. Later blocks
-    # receive the DTensor of the block before. Inputs: (x, mask[, rotary]).
-    entries["vision.blocks.0"] = PrepareModuleInput(
-        input_layouts=(Replicate(), None), desired_input_layouts=(sequence, None)
-    )
-    entries["unimodal_layers.0"] = PrepareModuleInput(
-        input_layouts=(Replicate(), None, None), desired_input_layouts=(sequence, None, None)
-    )
-    for block in ("vision.blocks.*", "unimodal_layers.*"):
-        entries[f"{block}.attn_norm"] = "sequence"
-        entries[f"{block}.attn"] = _gather_first_input(3)  # (x, mask, rotary)
-        entries[f"{block}.mlp_norm"] = "sequence"
-        entries[f"{block}.mlp"] = _gather_first_input(1)
-    for norm in ("self_attn_norm", "cross_attn_norm", "text_ffn_norm"):
-        entries[f"fusion_layers.*.{norm}"] = "sequence"
-    entries["fusion_layers.*.self_attn"] = _gather_first_input(3)  # (x, mask, rotary)
-    # (x, mask); the keyword input context (media tokens, keys / values) is whole and passes through.
-    entries["fusion_layers.*.cross_attn"] = _gather_first_input(2)
-    # (x, update, gate, keep): x and update arrive as Shard(1) DTensors.
-    entries["fusion_layers.*.gated_residual"] = PrepareModuleInput(
-        input_layouts=(None, None, Replicate(), Replicate()),
-        desired_input_layouts=(None, None, Replicate(), sequence),
-    )
-    entries["fusion_layers.*.experts"] = _GatherSequence()
-    # Leave: whole sequences for pooling, the projector / media tokens and the LM head.
-    entries["vision.norm"] = "sequence"
-    entries["vision"] = PrepareModuleOutput(
-        output_layouts=sequence, desired_output_layouts=Replicate(), use_local_output=True
-    )
-    entries["text_pool_norm"] = PrepareModuleInput(
-        input_layouts=sequence, desired_input_layouts=Replicate(), use_local_output=True
-    )
-    entries["norm"] = "sequence"
-    entries["lm_head"] = PrepareModuleInput(
-        input_layouts=sequence, desired_input_layouts=Replicate(), use_local_output=True
-    )
-    return entries
 
 
 def _describe(style: str | ParallelStyle) -> str:
@@ -360,30 +255,16 @@ def _check_divisibility(model: nn.Module, styles: dict[str, ParallelStyle], tp: 
             check_divisible(f"{fqn}.in_features", module.in_features, "tensor_parallel", tp)
 
 
-def apply_tensor_parallel(
-    model: nn.Module,
-    tp_mesh: DeviceMesh,
-    plan: Mapping[str, str | ParallelStyle] | None = None,
-    *,
-    sequence_parallel: bool = False,
-) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str | ParallelStyle]) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` following ``plan``; returns ``model``.
 
-    ``plan=None`` applies :func:`reference_vlm_plan` with ``sequence_parallel``. An explicit ``plan`` says itself
-    where activations are sequence-sharded (``"sequence"`` styles and ``ParallelStyle`` objects), so combining it
-    with ``sequence_parallel=True`` is an error rather than a flag that would be silently ignored.
-
-    Every tp rank must see the same batch (tp ranks are not data parallel).
+    The plan says itself where activations are sequence-sharded (``"sequence"`` styles and ``ParallelStyle``
+    objects); a model's own plan (e.g. :func:`lightning_mm.models.vlm.parallelize.reference_vlm_plan`) includes
+    them when asked for sequence parallelism. Every tp rank must see the same batch (tp ranks are not data
+    parallel).
     """
-    if plan is not None and sequence_parallel:
-        raise ValueError(
-            "apply_tensor_parallel: sequence_parallel=True selects the shipped plan "
-            "reference_vlm_plan(sequence_parallel=True) and cannot be combined with an explicit plan; put the "
-            "sequence-parallel styles in the plan (e.g. start from reference_vlm_plan(sequence_parallel=True)) "
-            "and pass sequence_parallel=False"
-        )
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D tp mesh, got mesh dims {tp_mesh.mesh_dim_names}")
-    styles = resolve_plan(model, reference_vlm_plan(sequence_parallel) if plan is None else plan)
+    styles = resolve_plan(model, plan)
     _check_divisibility(model, styles, tp_mesh.size())
     return parallelize_module(model, tp_mesh, styles)

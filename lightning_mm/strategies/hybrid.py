@@ -1,6 +1,5 @@
-"""``HybridParallelStrategy``: the reference VLM (or a user model with a short plan) on a
-``pp x dp_replicate x dp_shard x tp`` device mesh (with an ``ep`` axis borrowed from ``dp_shard``) through the
-ordinary Lightning ``Trainer``.
+"""``HybridParallelStrategy``: any LightningModule on a ``pp x dp_replicate x dp_shard x tp`` device mesh (with an
+``ep`` axis borrowed from ``dp_shard``) through the ordinary Lightning ``Trainer``.
 
 Thin glue over :mod:`lightning_mm.parallel` (which has no Lightning imports):
 
@@ -8,9 +7,13 @@ Thin glue over :mod:`lightning_mm.parallel` (which has no Lightning imports):
   ``data_parallel_group`` / ``data_parallel_rank`` / ``data_parallel_size`` tell the losses and the DataModules
   which ranks see different samples (tp peers see the same batch).
 * ``setup``: unless the LightningModule overrides ``configure_model`` (then the user parallelises, as with
-  Lightning's ``ModelParallelStrategy``), applies tensor parallel -> activation checkpointing -> FSDP2 / HSDP,
-  the torchtitan order.
-* Gradient clipping by norm counts every shard once (:func:`lightning_mm.parallel.clip.clip_grad_norm_`).
+  Lightning's ``ModelParallelStrategy``), asks the module how it is parallelized (its ``parallel_plan()``,
+  :mod:`lightning_mm.parallel.protocol`; the generic rules when it has none) and applies pipeline split -> tensor
+  parallel (+ EP) -> activation checkpointing -> FSDP2 / HSDP, the torchtitan order. The strategy knows no model.
+* Pipeline parallel runs ``torch.distributed.pipelining`` schedules inside ``training_step``
+  (:mod:`lightning_mm.strategies.pipeline_loop`).
+* Gradient clipping by norm counts every shard once, through a Precision plugin subclass
+  (:mod:`lightning_mm.strategies.precision`).
 * Checkpoints are DCP directories keyed by unsharded FQNs with the topology beside them
   (:mod:`lightning_mm.checkpoint`), so they resume on another mesh and consolidate into one file.
 
@@ -23,9 +26,8 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import time
-import types
-from dataclasses import dataclass, field
+import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -41,15 +43,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
 
 import lightning_mm
 from lightning_mm import checkpoint as ckpt
-from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
-from lightning_mm.models.losses import VLMLosses
-from lightning_mm.parallel.clip import clip_grad_norm_
-from lightning_mm.parallel.collectives import all_reduce_sum
 from lightning_mm.parallel.dims import DP_SHARD_MOD_EP, ParallelDims
-from lightning_mm.parallel.experts import PLACEMENTS, apply_expert_parallel, expert_parameters
+from lightning_mm.parallel.experts import PLACEMENTS, expert_parameters
 from lightning_mm.parallel.fsdp import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -57,33 +56,25 @@ from lightning_mm.parallel.fsdp import (
     transformer_blocks,
 )
 from lightning_mm.parallel.pipeline import (
-    SCHEDULES,
     PipelineSplit,
-    PipelineStageModule,
-    TimelineRecorder,
     auto_split,
-    build_schedule,
+    check_schedule,
     explicit_split,
-    idle_fraction,
-    pad_batch,
-    plot_timeline,
-    prune_model,
-    router_stats_from,
+    sequential_pipeline_spec,
     stage_ids_for_rank,
-    stage_inputs,
 )
-from lightning_mm.parallel.plans import apply_tensor_parallel, reference_vlm_plan
+from lightning_mm.parallel.plans import apply_tensor_parallel
+from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
+from lightning_mm.strategies.pipeline_loop import PipelineRunner
+from lightning_mm.strategies.precision import with_mesh_clipping
 
 __all__ = ["HybridParallelStrategy"]
 
 log = logging.getLogger(__name__)
 
-
-def _find_reference_models(module: nn.Module) -> list[nn.Module]:
-    """Submodules that are the reference VLM (found by class, imported lazily to keep the import light)."""
-    from lightning_mm.models.vlm import VisionLanguageModel
-
-    return [sub for sub in module.modules() if isinstance(sub, VisionLanguageModel)]
+_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, PipelineRunner | None] = weakref.WeakKeyDictionary()
+"""Modules this process has parallelized (a second ``fit`` / ``validate`` reuses them), with their pipeline runner.
+Kept here rather than as attributes on the user's module."""
 
 
 def _describe(mesh: dict[str, int]) -> str:
@@ -91,69 +82,61 @@ def _describe(mesh: dict[str, int]) -> str:
     return " x ".join(parts) if parts else "no parallelism"
 
 
-@dataclass
-class _PipelineRuntime:
-    """What one rank needs to run its pipeline stage(s) inside Lightning's steps."""
+def _default_pipeline_inputs(batch: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return (batch[0],)
+    raise TypeError(f"cannot tell the pipeline's stage-0 inputs from a batch of type {type(batch).__name__}; define "
+                    "pipeline_inputs(batch) -> tuple of tensors on the LightningModule")
 
-    stages: list
-    split: PipelineSplit
-    microbatches: int
-    pp_group: dist.ProcessGroup
-    pp_size: int
-    config: Any
-    shape: tuple[int, int, int, int] | None
-    schedule: Any = None
-    recorder: TimelineRecorder | None = None
-    normalizers: tuple[int, int] = (0, 0)
-    loss_divisor: int = 1
-    records: list = field(default_factory=list)
-    record_step: int | None = None
-    timeline_path: str | Path | None = None
-    timeline: dict | None = None
-    strategy: Any = None
 
-    @property
-    def has_first(self) -> bool:
-        return any(stage.is_first for stage in self.stages)
-
-    @property
-    def has_last(self) -> bool:
-        return any(stage.is_last for stage in self.stages)
-
+def _default_pipeline_target(batch: Any) -> Any:
+    if isinstance(batch, (tuple, list)) and len(batch) > 1:
+        return batch[1]
+    raise TypeError(f"cannot tell the pipeline's target from a batch of type {type(batch).__name__}; define "
+                    "pipeline_target(batch) on the LightningModule")
 
 class HybridParallelStrategy(ModelParallelStrategy):
-    """Data (FSDP2 / HSDP) x tensor (+ sequence) parallel training of a LightningModule, with no
-    hand-written parallel code.
+    """Data (FSDP2 / HSDP) x tensor (+ sequence) x pipeline x expert parallel training of a LightningModule, with no
+    hand-written parallel code: the module says how it is parallelized (:mod:`lightning_mm.parallel.protocol`).
 
-    ``data_parallel_replicate * data_parallel_shard * tensor_parallel`` must equal the number of processes
+    ``pipeline_parallel * data_parallel_replicate * data_parallel_shard * tensor_parallel`` must equal the number of
+    processes
     (``devices x num_nodes``); ``data_parallel_shard="auto"`` takes what is left.
 
     Args:
         data_parallel_replicate: HSDP replica groups (parameters replicated across them, gradients all-reduced).
         data_parallel_shard: FSDP2 degree inside a replica group; ``"auto"`` (or -1) for the rest of the world.
         tensor_parallel: tensor-parallel degree (neighbouring ranks; they see the same batch).
-        sequence_parallel: shard the norms' activations along the sequence between tp-sharded layers
-            (reference model's plan only; a user plan says it with ``"sequence"`` styles).
-        pipeline_parallel: pipeline stages (reference ``VLMModule`` only): the model is split into stages that keep
-            its FQNs and trained by a ``torch.distributed.pipelining`` schedule inside ``training_step``
-            (:mod:`lightning_mm.parallel.pipeline`). Combines with FSDP / HSDP and tensor parallel.
-        pipeline_schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` (with ``virtual_stages > 1``) or another
-            schedule torch ships, by name.
+        sequence_parallel: shard the norms' activations along the sequence between tp-sharded layers (the model's
+            own sequence-parallel plan, ``parallel_plan(sequence_parallel=True)``; a ``tp_plan`` argument says it
+            with ``"sequence"`` styles instead).
+        pipeline_parallel: pipeline stages: the model is split into stages that keep its FQNs and trained by a
+            ``torch.distributed.pipelining`` schedule inside ``training_step``
+            (:mod:`lightning_mm.strategies.pipeline_loop`), with the objective of the run without pipelining.
+            The model's own pipeline (``parallel_plan().pipeline``), or for any other module a chain cut by
+            ``pipeline_split`` (:func:`lightning_mm.parallel.pipeline.sequential_pipeline_spec`; the module then
+            defines ``pipeline_loss(output, target)``). Combines with FSDP / HSDP and tensor parallel.
+        pipeline_schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` or ``"LoopedBFS"`` (the latter two with
+            ``virtual_stages > 1``); the zero-bubble schedules are refused with the reason.
         microbatches: microbatches per step (default: the number of stages); must divide the per-rank row count.
-        pipeline_split: ``"auto"`` (vision encoder, projector and embeddings on stage 0, decoder layers balanced by
-            computed FLOPs) or the FQNs of the decoder layers that start stages 1, 2, ...
+        pipeline_split: ``"auto"`` (balance the model's unit costs; the reference model keeps its vision encoder on
+            stage 0 and balances decoder layers by computed FLOPs) or the FQNs (relative to the LightningModule) of
+            the units that begin stages 1, 2, ..., e.g. ``["model.fusion_layers.0"]``.
         virtual_stages: stages per pipeline rank (interleaved schedules).
         pipeline_shape: ``(rows, patches_per_row, tokens_per_row, segments_per_row)`` every batch is padded to
             (pipelining needs fixed shapes); default: the first batch's.
         expert_parallel: expert-parallel degree; borrows ranks from ``data_parallel_shard`` (must divide it) and
-            shards the reference model's modality experts over them (:mod:`lightning_mm.parallel.experts`); with
+            shards the model's declared experts (``parallel_plan().apply_expert_parallel``,
+            :mod:`lightning_mm.parallel.experts`) over them; with
             ``data_parallel_shard > expert_parallel`` the experts are also FSDP-sharded over the remaining
             ``dp_shard_mod_ep`` ranks. Not yet combined with pipeline / tensor parallelism or HSDP.
         expert_placement: ``"modality"`` (each modality's experts on a contiguous group of EP ranks; checkpoints
             interchangeable with non-EP runs) or ``"uniform"`` (round robin; experts stored permuted).
         tp_plan: ``{fqn_pattern: style}`` relative to the LightningModule, styles ``colwise``, ``rowwise``,
-            ``sequence``, ``replicate``. ``None``: the shipped plan of every reference ``VisionLanguageModel``
-            inside the module (an error if there is none and ``tensor_parallel > 1``).
+            ``sequence``, ``replicate``. ``None``: the module's own plan (``parallel_plan().tp_plan``; an error if
+            it declares none and ``tensor_parallel > 1``).
         activation_checkpointing: recompute every transformer block's activations in backward.
         reshard_after_forward: FSDP2 frees gathered block parameters after forward (ZeRO-3); ``False`` keeps them
             until backward (one all-gather fewer per step, more memory).
@@ -204,8 +187,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                              "ranks)")
         if tp_plan is not None and not isinstance(tp_plan, dict):
             raise ValueError(f"tp_plan must be a dict {{fqn_pattern: style}}, got {type(tp_plan).__name__}")
-        if pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {pipeline_schedule!r}")
+        check_schedule(pipeline_schedule)
         if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                          or microbatches < 1):
             raise ValueError(f"microbatches must be an integer >= 1 or None, got {microbatches!r}")
@@ -234,7 +216,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.pipeline_split = pipeline_split
         self.virtual_stages = virtual_stages
         self.pipeline_shape = tuple(pipeline_shape) if pipeline_shape is not None else None
-        self._pipeline: _PipelineRuntime | None = None
+        self._pipeline: PipelineRunner | None = None
         self._timeline_request: tuple[int | None, str | Path | None] = (None, None)
         self.sequence_parallel = sequence_parallel
         self.tp_plan = tp_plan
@@ -314,6 +296,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     # ---------------------------------------------------------------------------------------------- model
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """As ``ModelParallelStrategy.setup``, but parallelises the model itself unless the user does."""
         assert self.model is not None and self.accelerator is not None
@@ -329,71 +312,73 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+        self.precision_plugin = with_mesh_clipping(self.precision_plugin, self.norm_groups)
         self.setup_precision_plugin()
-        self._route_clipping_through_mesh()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def parallelize(self, module: nn.Module, mp_policy=None) -> nn.Module:
-        """Tensor parallel -> activation checkpointing -> FSDP2 / HSDP on ``module`` (a LightningModule), in place.
+    def parallel_plan(self, module: nn.Module) -> ParallelPlan:
+        """What ``module`` declares (its ``parallel_plan()``, :mod:`lightning_mm.parallel.protocol`), with this
+        strategy's arguments on top: a ``tp_plan`` argument replaces the module's plan."""
+        declare = getattr(module, "parallel_plan", None)
+        if callable(declare):
+            plan = declare(sequence_parallel=self.sequence_parallel and self.tp_plan is None,
+                           microbatches=self._microbatches(), pipeline_shape=self.pipeline_shape)
+            if not isinstance(plan, ParallelPlan):
+                raise TypeError(f"{type(module).__name__}.parallel_plan() must return a "
+                                f"lightning_mm.parallel.protocol.ParallelPlan, got {type(plan).__name__}")
+        else:
+            plan = ParallelPlan()
+        if self.tp_plan is not None:
+            if self.sequence_parallel:
+                raise ValueError("sequence_parallel=True selects the model's own sequence-parallel plan; with a "
+                                 "tp_plan argument, mark the norms 'sequence' in that plan instead")
+            plan.tp_plan = self.tp_plan
+        elif self.sequence_parallel and not callable(declare):
+            raise ValueError(f"sequence_parallel=True needs a model that declares its sequence-parallel plan "
+                             f"(parallel_plan()); {type(module).__name__} has none, so pass tp_plan with "
+                             "'sequence' styles instead")
+        return plan
 
-        With ``pipeline_parallel > 1`` the model is first pruned to this rank's stage(s), then activation
-        checkpointing and FSDP2 are applied to each stage (see :meth:`_parallelize_pipeline`).
-        Idempotent: a second ``fit`` / ``validate`` with the same module finds it parallelised and does nothing.
+    def parallelize(self, module: nn.Module, mp_policy=None) -> nn.Module:
+        """Pipeline split -> tensor parallel (+ expert parallel) -> activation checkpointing -> FSDP2 / HSDP on
+        ``module`` (a LightningModule), in place, from what the module declares (:meth:`parallel_plan`).
+
+        Idempotent: a second ``fit`` / ``validate`` with the same module finds it parallelised (and its pipeline
+        runner) and does nothing.
         """
-        if getattr(module, "_lightning_mm_parallelized", False):
-            runtime = getattr(module, "_lightning_mm_pipeline", None)
-            if runtime is not None:  # a module pipelined by an earlier Trainer: reuse its stages and schedule
-                runtime.strategy = self
-                self._pipeline = runtime
+        if module in _PARALLELIZED:
+            self._pipeline = _PARALLELIZED[module]
             return module
         dims = self.parallel_dims
+        plan = self.parallel_plan(module)
         if dims.pp_enabled:
-            self._parallelize_pipeline(module, mp_policy)
-            module._lightning_mm_parallelized = True
+            self._pipeline = self._parallelize_pipeline(module, plan, mp_policy)
+            _PARALLELIZED[module] = self._pipeline
             return module
         if dims.tp_enabled:
-            tp_mesh = dims.get_mesh("tp")
-            if self.tp_plan is not None:
-                if self.sequence_parallel:
-                    raise ValueError("sequence_parallel=True applies to the shipped plan of the reference model; with "
-                                     "a user tp_plan, mark the norms 'sequence' in the plan instead")
-                apply_tensor_parallel(module, tp_mesh, self.tp_plan)
-            else:
-                references = _find_reference_models(module)
-                if not references:
-                    raise ValueError(
-                        f"tensor_parallel={dims.tp} needs a plan: {type(module).__name__} contains no reference "
-                        "VisionLanguageModel, so pass tp_plan={'fqn.pattern': 'colwise' | 'rowwise' | 'sequence' | "
-                        "'replicate', ...} (patterns relative to the LightningModule) or override configure_model"
-                    )
-                for reference in references:
-                    apply_tensor_parallel(reference, tp_mesh, sequence_parallel=self.sequence_parallel)
+            apply_tensor_parallel(module, dims.get_mesh("tp"), self._require_tp_plan(module, plan))
         if dims.ep_enabled:
-            self._apply_expert_parallel(module)
-        blocks = transformer_blocks(module)
+            if plan.apply_expert_parallel is None:
+                raise ValueError(f"expert_parallel={dims.ep} needs a model that declares its experts "
+                                 f"(ParallelPlan.apply_expert_parallel); {type(module).__name__} declares none")
+            plan.apply_expert_parallel(dims.get_mesh("ep"), self.expert_placement)
+        blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
         if self.activation_checkpointing:
             apply_activation_checkpointing(blocks)
         if dims.dp_enabled:
             self._apply_fsdp(module, blocks, mp_policy)
-        module._lightning_mm_parallelized = True
+        _PARALLELIZED[module] = None
         return module
 
-    def _apply_expert_parallel(self, module: nn.Module) -> None:
-        dims = self.parallel_dims
-        references = _find_reference_models(module)
-        if not references:
-            raise ValueError(f"expert_parallel={dims.ep} needs the reference VisionLanguageModel (its "
-                             f"ModalityExperts): {type(module).__name__} contains none")
-        for reference in references:
-            config = reference.config
-            experts = config.vision_experts + config.text_experts
-            if experts % dims.ep:
-                raise ValueError(f"expert_parallel={dims.ep} must divide the number of experts of the model "
-                                 f"(vision_experts + text_experts = {config.vision_experts} + {config.text_experts} "
-                                 f"= {experts})")
-            apply_expert_parallel(reference, dims.get_mesh("ep"), self.expert_placement)
-
+    def _require_tp_plan(self, module: nn.Module, plan: ParallelPlan) -> Any:
+        if plan.tp_plan is None:
+            raise ValueError(
+                f"tensor_parallel={self.parallel_dims.tp} needs a plan: {type(module).__name__} declares none "
+                "(parallel_plan()), so pass tp_plan={'fqn.pattern': 'colwise' | 'rowwise' | 'sequence' | "
+                "'replicate', ...} (patterns relative to the LightningModule) or override configure_model"
+            )
+        return plan.tp_plan
     def _apply_fsdp(self, module: nn.Module, blocks: list[nn.Module], mp_policy) -> None:
         # FSDP2 shards each child of the LightningModule that has parameters, with that child's blocks as units,
         # rather than calling fully_shard on the LightningModule itself (which would swap its class for an
@@ -444,177 +429,129 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     # ---------------------------------------------------------------------------------------------- pipeline
 
-    def _parallelize_pipeline(self, module: nn.Module, mp_policy) -> None:
-        """Prune the reference model to this rank's stage(s), wrap each in a ``PipelineStage``, build the schedule.
+    def _microbatches(self) -> int:
+        return self.microbatches or self._degrees["pipeline_parallel"] * self.virtual_stages
 
-        Order per stage (torchtitan's): split -> activation checkpointing -> FSDP2 with
-        ``reshard_after_forward=False`` (parameters stay gathered across the microbatches of a step, and zero-bubble
-        schedules need it for correct gradients, see NOTES). Stage modules share the pruned ``module.model``'s
-        submodules, so the optimizer and checkpoints see the unsplit FQNs of this rank's layers.
+    def _pipeline_spec(self, module: nn.Module, plan: ParallelPlan) -> PipelineSpec:
+        """The module's own pipeline, or the generic chain cut by ``pipeline_split`` with its ``pipeline_*`` hooks."""
+        if plan.pipeline is not None:
+            return plan.pipeline
+        if self.pipeline_split == "auto":
+            raise ValueError(f"pipeline_parallel > 1 with {type(module).__name__}, which declares no pipeline "
+                             "(parallel_plan()): pass pipeline_split=[FQNs of the modules that begin stages 1..], "
+                             "e.g. ['net.layers.2'], and define pipeline_loss(output, target) on the module")
+        loss_fn: Callable | None = getattr(module, "pipeline_loss", None)
+        if not callable(loss_fn):
+            raise ValueError(f"pipeline_parallel > 1: {type(module).__name__} must define pipeline_loss(output, "
+                             "target) -> the mean loss of a microbatch (the last stage's output and the target); "
+                             "the schedule computes the loss, so training_step is not called")
+        inputs = getattr(module, "pipeline_inputs", None) or _default_pipeline_inputs
+        target = getattr(module, "pipeline_target", None) or _default_pipeline_target
+        return sequential_pipeline_spec(module, self.pipeline_split, loss_fn, self._microbatches(), inputs, target)
+
+    def _pipeline_split(self, spec: PipelineSpec, num_stages: int) -> PipelineSplit:
+        if self.pipeline_split != "auto":
+            return explicit_split(spec.units, self.pipeline_split, num_stages)
+        if spec.unit_costs is None:
+            raise ValueError("pipeline_split='auto' needs the model's unit costs (PipelineSpec.unit_costs); pass the "
+                             f"FQNs that begin stages 1.. instead, from {list(spec.units)}")
+        return auto_split(spec.units, spec.unit_costs(), num_stages)
+
+    def _parallelize_pipeline(self, module: nn.Module, plan: ParallelPlan, mp_policy) -> PipelineRunner:
+        """Cut the model into this rank's stage(s), then TP -> activation checkpointing -> FSDP2 per stage.
+
+        FSDP2 runs with ``reshard_after_forward=False`` inside stages (parameters stay gathered across the
+        microbatches of a step, as torchtitan does under PP). Stage modules share the model's submodules, so the
+        optimizer and checkpoints see the unsplit FQNs of this rank's layers.
         """
-        from torch.distributed.pipelining import PipelineStage
-
         dims = self.parallel_dims
-        model = getattr(module, "model", None)
-        references = _find_reference_models(module)
-        if len(references) != 1 or model is not references[0] or not hasattr(module, "hparams"):
-            raise ValueError(
-                "pipeline_parallel > 1 supports the reference VLMModule (a LightningModule whose `model` attribute is "
-                "the VisionLanguageModel); for another model set pipeline_parallel=1, or override configure_model and "
-                "drive torch.distributed.pipelining yourself"
-            )
         if dims.tp_enabled and self.sequence_parallel:
             raise ValueError("pipeline_parallel > 1 with sequence_parallel=True is not supported yet (the sequence-"
                              "parallel plan shards and gathers at the model's entry and exit, which a stage may not "
                              "hold); use sequence_parallel=False")
-        config = model.config
+        spec = self._pipeline_spec(module, plan)
         num_stages = dims.pp * self.virtual_stages
-        if self.pipeline_split == "auto":
-            rows, patches, tokens = (self.pipeline_shape[:3] if self.pipeline_shape is not None
-                                     else (8, config.max_patches_per_image, 64))
-            split = auto_split(config, num_stages, rows, patches, tokens)
-        else:
-            split = explicit_split(config, self.pipeline_split, num_stages)
+        if spec.max_stages_per_rank is not None and self.virtual_stages > spec.max_stages_per_rank:
+            raise ValueError(f"virtual_stages={self.virtual_stages}: {type(module).__name__}'s pipeline supports "
+                             f"{spec.max_stages_per_rank} stage(s) per rank")
+        split = self._pipeline_split(spec, num_stages)
         pp_mesh = dims.get_mesh("pp")
-        pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+        pp_rank = pp_mesh.get_local_rank()
         stage_ids = stage_ids_for_rank(pp_rank, dims.pp, self.virtual_stages)
-        prune_model(model, split, stage_ids)
+        stage_modules = spec.build_stages(split, stage_ids)
         if dims.tp_enabled:
-            # The shipped plan, restricted to the layers this rank's stages still hold (patterns for pruned layers
-            # would otherwise "match nothing"). Stage boundaries carry plain tensors, replicated over tp.
-            present = [name for name, _ in model.named_modules()]
-            plan = {pattern: style for pattern, style in reference_vlm_plan().items()
-                    if any(fnmatch.fnmatchcase(name, pattern) for name in present)}
-            apply_tensor_parallel(model, dims.get_mesh("tp"), plan)
-        stage_modules = [PipelineStageModule(model, split, stage) for stage in stage_ids]
+            # The plan, restricted to the modules this rank's stages still hold (patterns of pruned layers would
+            # otherwise "match nothing"). Stage boundaries carry plain tensors, replicated over tp.
+            present = [name for name, _ in module.named_modules()]
+            tp_plan = {pattern: style for pattern, style in self._require_tp_plan(module, plan).items()
+                       if any(_matches(name, pattern) for name in present)}
+            apply_tensor_parallel(module, dims.get_mesh("tp"), tp_plan)
+        blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
         for stage_module in stage_modules:
-            blocks = stage_module.blocks()
+            inside = {id(sub) for sub in stage_module.modules()}
+            stage_blocks = [b for b in blocks if id(b) in inside and b is not stage_module]
             if self.activation_checkpointing:
-                apply_activation_checkpointing(blocks)
+                apply_activation_checkpointing(stage_blocks)
             if dims.dp_enabled:
                 apply_fsdp(stage_module, dims.get_mesh(dims.fsdp_axes), mp_policy=mp_policy,
-                           reshard_after_forward=False, cpu_offload=self.cpu_offload, blocks=blocks)
-        stages = [PipelineStage(stage_module, stage, num_stages, self.root_device, group=pp_group)
-                  for stage_module, stage in zip(stage_modules, stage_ids, strict=True)]
-        microbatches = self.microbatches or num_stages
-        runtime = _PipelineRuntime(stages=stages, split=split, microbatches=microbatches, pp_group=pp_group,
-                                   pp_size=dims.pp, config=config, shape=self.pipeline_shape)
-        runtime.strategy = self
-        # The loss goes through runtime.strategy so that a later Trainer (fit, then validate) reuses the schedule.
-        runtime.schedule = build_schedule(stages, self.pipeline_schedule, microbatches,
-                                          lambda output, target: runtime.strategy._pipeline_loss(output, target))
-        runtime.recorder = TimelineRecorder(stages)
-        self._pipeline = runtime
-        module._lightning_mm_pipeline = runtime
+                           reshard_after_forward=False, cpu_offload=self.cpu_offload, blocks=stage_blocks)
         if dims.coordinates(self.global_rank)["dp"] == 0:
             log.info("pipeline rank %d holds stage(s) %s: %s", pp_rank, stage_ids,
                      [split.stage_units(s) for s in stage_ids])
+        return PipelineRunner(spec, split, stage_modules, stage_ids, self.root_device, pp_mesh.get_group(),
+                              self.pipeline_schedule, self._microbatches())
 
     @property
-    def pipeline(self) -> _PipelineRuntime | None:
-        """Stages, schedule and timeline of this rank (None without pipeline parallelism)."""
+    def pipeline(self) -> PipelineRunner | None:
+        """Stages, schedules and timeline of this rank (None without pipeline parallelism)."""
         return self._pipeline
 
-    def _pipeline_loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
-        """The schedule's ``loss_fn``: one microbatch's share of the batch loss (see :meth:`_run_pipeline`)."""
-        from lightning_mm.models.losses import compute_losses
-        from lightning_mm.models.vlm import VLMOutput
+    def _log_pipeline_values(self, stage: str, values: dict[str, torch.Tensor], batch_size: int, on_step: bool
+                             ) -> None:
+        # Each value is this rank's share of the global batch's loss (as the module's own losses are), identical
+        # over the pipeline ranks; sync_dist's mean over all ranks is the global loss.
+        for name, value in values.items():
+            self.lightning_module.log(f"{stage}/{name}", value, prog_bar=name == "loss", on_step=on_step,
+                                      on_epoch=not on_step, batch_size=batch_size, sync_dist=True)
 
-        runtime = self._pipeline
-        logits, image_embeds, text_embeds, scale, counts, probs, pairs = output
-        stats = router_stats_from(counts, probs, runtime.config)
-        # compute_losses reads labels and the contrastive pairs ((sample_ids >= 0) & has_image) from the batch.
-        pairs = pairs.bool()
-        batch = types.SimpleNamespace(labels=target, sample_ids=torch.where(pairs, 0, -1), has_image=pairs)
-        hparams = self.lightning_module.hparams
-        losses = compute_losses(
-            VLMOutput(logits, image_embeds, text_embeds, scale[0], stats), batch,
-            contrastive_weight=hparams.contrastive_weight, moe_aux_weight=hparams.moe_aux_weight,
-            group=self.data_parallel_group, normalizers=runtime.normalizers, moe_aux_divisor=runtime.microbatches,
-        )
-        runtime.records.append(torch.stack([losses.total, losses.caption, losses.contrastive,
-                                            losses.moe_aux]).detach().float())
-        return losses.total / runtime.loss_divisor
-
-    def _fixed_shape(self, batch: MultimodalBatch) -> MultimodalBatch:
-        runtime = self._pipeline
-        if runtime.shape is None:  # the first batch fixes the shape (rows, patches, tokens, segments)
-            runtime.shape = (batch.num_rows, batch.patches.shape[1], batch.tokens.shape[1], batch.segment_slots)
-            argument = "pipeline_shape (taken from the first batch)"
-        else:
-            argument = "pipeline_shape"
-        if runtime.shape[0] % runtime.microbatches:
-            raise ValueError(f"a batch of {runtime.shape[0]} rows does not split into microbatches="
-                             f"{runtime.microbatches}; choose microbatches dividing the per-rank batch size or set "
-                             "pipeline_shape with a divisible row count")
-        return pad_batch(batch, runtime.shape, argument)
-
-    def _run_pipeline(self, batch: MultimodalBatch, train: bool, loss_divisor: int) -> VLMLosses:
-        """Run the schedule on ``batch`` (this rank's data-parallel share); every rank gets the last stage's losses.
-
-        Objective: each microbatch's caption and contrastive sums are divided by the *whole batch's* global counts
-        (caption tokens, image-text pairs over the dp group), so the microbatch losses sum to the batch loss; the
-        contrastive negatives (gathered over dp) and the expert balance loss are per microbatch, the latter divided
-        by the number of microbatches (a mean). A one-process run with the same microbatch split gives the same.
-        """
-        runtime = self._pipeline
-        batch = self._fixed_shape(batch)
-        pairs = (batch.sample_ids >= 0) & batch.has_image
-        counts = torch.stack([(batch.labels != IGNORE_INDEX).sum(), pairs.sum()]).to(torch.float64)
-        counts = all_reduce_sum(counts, self.data_parallel_group)
-        runtime.normalizers = (int(counts[0]), int(counts[1]))
-        runtime.loss_divisor = loss_divisor
-        runtime.records = []
-        args = stage_inputs(batch) if runtime.has_first else ()
-        if train:
-            with self.precision_plugin.train_step_context():
-                runtime.schedule.step(*args, target=batch.labels)
-        else:
-            # Lightning validates under inference_mode; the schedule's receive buffers are ordinary tensors.
-            with torch.inference_mode(False), torch.no_grad(), self.precision_plugin.val_step_context():
-                runtime.schedule.eval(*[a.clone() for a in args], target=batch.labels.clone())
-        values = torch.zeros(4)
-        if runtime.has_last:
-            values = torch.stack(runtime.records[-runtime.microbatches:]).sum(dim=0)
-        if runtime.pp_size > 1:
-            dist.broadcast(values, group=runtime.pp_group, group_src=runtime.pp_size - 1)
-        return VLMLosses(values[0], values[1], values[2], values[3], *runtime.normalizers)
-
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under pipeline parallelism the schedule runs forward + backward here and the module's ``training_step`` is
-        not called; the strategy logs ``train/loss`` (and its parts) through the module's ``_log_losses``."""
+        not called; the strategy logs ``train/loss`` (and the objective's other values) with the module's ``log``."""
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
-        module = self.lightning_module
-        trainer = module.trainer
+        runner = self._pipeline
+        trainer = self.lightning_module.trainer
         batch, batch_idx = args[0], args[1]
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
             # Lightning's own zero_grad is skipped with its backward (fit_loop._skip_backward, set in on_train_start).
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
-        runtime = self._pipeline
-        runtime.record_step, runtime.timeline_path = self._timeline_request
-        runtime.recorder.enabled = runtime.record_step is not None and trainer.global_step == runtime.record_step
-        step_start = time.perf_counter()
-        losses = self._run_pipeline(batch, train=True, loss_divisor=accumulate)
-        if runtime.recorder.enabled:
-            runtime.recorder.enabled = False
-            self._collect_timeline(step_start)
-        module._log_losses("train", losses, max(batch.num_samples, 1), on_step=True)
+        record_step, path = self._timeline_request
+        step_start = runner.record(record_step is not None and trainer.global_step == record_step
+                                   and runner.timeline is None)
+        values = runner.run(batch, self.data_parallel_group, train=True, loss_divisor=accumulate,
+                            context=self.precision_plugin.train_step_context)
+        if runner.recorder.enabled:
+            runner.collect_timeline(step_start, path, self.global_rank)
+        self._log_pipeline_values("train", values, _rows(batch), on_step=True)
         # Lightning divides this by accumulate_grad_batches for its records, as for a module's own loss.
-        return losses.total
+        return values["loss"]
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
         batch = args[0]
-        losses = self._run_pipeline(batch, train=False, loss_divisor=1)
-        # Token accuracy, perplexity and recall need logits / embeddings on every rank; under pipeline parallelism
-        # only the losses are logged.
-        self.lightning_module._log_losses("val", losses, max(batch.num_samples, 1), on_step=False)
+        values = self._pipeline.run(batch, self.data_parallel_group, train=False, loss_divisor=1,
+                                    context=self.precision_plugin.val_step_context)
+        # Metrics that need logits / embeddings on every rank (token accuracy, recall) are not computed under
+        # pipeline parallelism; the objective's losses are logged.
+        self._log_pipeline_values("val", values, _rows(batch), on_step=False)
         return None
 
+    @override
     def on_train_start(self) -> None:
         super().on_train_start()
         if self._pipeline is not None:
@@ -622,6 +559,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             # (its closure's zero_grad would silently discard them) nor run its own backward.
             self.lightning_module.trainer.fit_loop._skip_backward = True
 
+    @override
     def on_train_end(self) -> None:
         super().on_train_end()
         if self._pipeline is not None:
@@ -634,39 +572,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
             raise ValueError("record_timeline needs pipeline_parallel > 1")
         self._timeline_request = (step, path)
 
-    def _collect_timeline(self, step_start: float) -> None:
-        runtime = self._pipeline
-        events = [e for e in runtime.recorder.events if e[3] >= step_start]
-        runtime.recorder.events.clear()
-        gathered: list[Any] = [None] * runtime.pp_size
-        dist.all_gather_object(gathered, events, group=runtime.pp_group)
-        p, m = runtime.pp_size, runtime.microbatches
-        runtime.timeline = {"events": gathered, "idle_fraction": idle_fraction(gathered),
-                            "theory": (p - 1) / (m + p - 1), "schedule": self.pipeline_schedule,
-                            "microbatches": m, "pp": p}
-        if runtime.timeline_path is not None and self.global_rank == 0:
-            plot_timeline(gathered, runtime.timeline_path,
-                          f"{self.pipeline_schedule} pp={p} m={m}: idle {runtime.timeline['idle_fraction']:.2f} "
-                          f"(theory {runtime.timeline['theory']:.2f})")
-
     # ---------------------------------------------------------------------------------------------- clipping
-
-    def _route_clipping_through_mesh(self) -> None:
-        # Lightning clips through precision_plugin.clip_grad_by_norm, which calls torch's clip_grad_norm_ on the
-        # local parameters; that fails on a mix of DTensor meshes and plain tensors. The strategy owns the mesh, so
-        # it replaces that one method on its own plugin instance (every precision plugin routes through it).
-        strategy = self
-
-        def clip_grad_by_norm(plugin, optimizer, clip_val) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val, extra_groups=strategy.norm_groups())
-
-        self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)
 
     def norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """Groups whose ranks hold different parameters (beyond the DTensor meshes): the pipeline stages."""
         if self._pipeline is not None and self._pipeline.pp_size > 1:
             return (self._pipeline.pp_group,)
         return ()
+
 
     # ---------------------------------------------------------------------------------------------- checkpoints
 
@@ -723,3 +636,19 @@ class HybridParallelStrategy(ModelParallelStrategy):
             fqns = [names[param] for group in optimizer.param_groups for param in group["params"]]
             set_optimizer_state_dict(self.model, optimizer, ckpt.optimizer_state_by_fqn(saved, fqns), options=options)
         return checkpoint
+
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _rows(batch: Any) -> int:
+    """Samples in a batch, for Lightning's epoch averages of logged values."""
+    for attribute in ("num_samples", "num_rows"):
+        value = getattr(batch, attribute, None)
+        if isinstance(value, int):
+            return max(value, 1)
+    if isinstance(batch, torch.Tensor):
+        return max(batch.shape[0], 1)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return max(batch[0].shape[0], 1)
+    return 1

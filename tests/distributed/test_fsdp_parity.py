@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_mm.models.losses import compute_losses
 from lightning_mm.models.vlm import VisionLanguageModel, build_config
+from lightning_mm.models.vlm.losses import compute_losses
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.parallel.fsdp import SUPPORTED_PRECISIONS, apply_fsdp, mixed_precision_policy, transformer_blocks
 from tests.helpers import random_samples, run_distributed, shard_batches

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.models import VLMModule
-from lightning_mm.parallel.pipeline import pad_batch
+from lightning_mm.models.vlm.pipeline import pad_batch
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import random_samples, run_distributed, shard_batches
 

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import Logger
 
 from lightning_mm.callbacks.pipeline_timeline import PipelineTimeline
 from lightning_mm.models import VLMModule
-from lightning_mm.parallel.pipeline import pad_batch
+from lightning_mm.models.vlm.pipeline import pad_batch
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import random_samples, run_distributed, shard_batches
 

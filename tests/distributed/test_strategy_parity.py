@@ -101,10 +101,11 @@ def test_hybrid_strategy_matches_one_process(name):
     for param_name, expected in reference["params"].items():
         # AdamW turns last-bit gradient differences of near-zero elements (|g| ~ eps) into update differences of
         # up to lr (see test_ddp_parity); measured worst element 6e-5 for tp2 after 5 steps of lr 3e-3, where a
-        # whole update is ~1e-2. So: elementwise atol 2e-4, and each parameter's update within 1e-3 relative in
-        # norm, which a lost or doubled update fails by orders of magnitude.
+        # whole update is ~1e-2; on another machine of this kind one element of embed_tokens (1 of 32768) differed by
+        # 4.1e-4 under tp2. So: elementwise atol 1e-3 (a third of one AdamW step), and each parameter's update
+        # within 1e-3 relative in norm, which a lost or doubled update fails by orders of magnitude.
         actual = result["params"][param_name]
-        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=2e-4, msg=lambda m, n=param_name: f"{n}: {m}")
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3, msg=lambda m, n=param_name: f"{n}: {m}")
         update, expected_update = result["updates"][param_name], reference["updates"][param_name]
         relative = ((update - expected_update).norm() / expected_update.norm().clamp(min=1e-12)).item()
         assert relative < 1e-3, (param_name, relative)

@@ -19,10 +19,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mm.datamodules.stages import collate_one_per_row
-from lightning_mm.models.losses import compute_losses
 from lightning_mm.models.vlm import VisionLanguageModel, build_config
+from lightning_mm.models.vlm.losses import compute_losses
+from lightning_mm.models.vlm.parallelize import reference_vlm_plan
 from lightning_mm.parallel.dims import ParallelDims
-from lightning_mm.parallel.plans import apply_tensor_parallel, reference_vlm_plan
+from lightning_mm.parallel.plans import apply_tensor_parallel
 from tests.helpers import random_samples, run_distributed
 
 BATCH, STEPS, LR = 4, 3, 0.1
@@ -117,7 +118,7 @@ def _run(rank: int, world: int) -> dict:
     dims = ParallelDims.from_args(world, tensor_parallel=world)
     dims.build_mesh("cpu")
     tp_mesh = dims.get_mesh("tp")
-    tp_model = apply_tensor_parallel(initial, tp_mesh)
+    tp_model = apply_tensor_parallel(initial, tp_mesh, reference_vlm_plan())
     q_weight = tp_model.vision.blocks[0].attn.q_proj.weight
     o_weight = tp_model.fusion_layers[0].cross_attn.o_proj.weight
     layout = {
@@ -133,15 +134,10 @@ def _run(rank: int, world: int) -> dict:
 
     # Sequence parallelism, AdamW: the reference is an unsharded copy of the same initial weights.
     sp_reference = _train(sp_reference_model, sp_batches, torch.optim.AdamW, SP_LR)
-    sp_model = apply_tensor_parallel(sp_initial, tp_mesh, sequence_parallel=True)
+    sp_model = apply_tensor_parallel(sp_initial, tp_mesh, reference_vlm_plan(sequence_parallel=True))
     sp = _train(sp_model, sp_batches, torch.optim.AdamW, SP_LR)
     sp_probe = _norm_input_and_collectives(sp_model, sp_batches[1])
     lengths = [(b.patches.shape[1], b.tokens.shape[1]) for b in sp_batches]
-    try:
-        apply_tensor_parallel(copy.deepcopy(model), tp_mesh, reference_vlm_plan(), sequence_parallel=True)
-        plan_and_sp_error = None
-    except ValueError as error:
-        plan_and_sp_error = str(error)
 
     # Replicate style: parameters become Replicate DTensors, numerics unchanged.
     torch.manual_seed(1234)
@@ -155,7 +151,7 @@ def _run(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     three_heads = VisionLanguageModel(build_config("tiny", vision_width=66, vision_heads=3))
     try:
-        apply_tensor_parallel(three_heads, tp_mesh)
+        apply_tensor_parallel(three_heads, tp_mesh, reference_vlm_plan())
         heads_error = None
     except ValueError as error:
         heads_error = str(error)
@@ -163,7 +159,6 @@ def _run(rank: int, world: int) -> dict:
         "reference": reference, "tp": sharded, "layout": layout, "replicate_layout": replicate_layout,
         "replicate_losses": replicate_losses, "heads_error": heads_error, "tp_probe": tp_probe,
         "sp_reference": sp_reference, "sp": sp, "sp_probe": sp_probe, "sp_lengths": lengths,
-        "plan_and_sp_error": plan_and_sp_error,
     }
 
 
@@ -245,8 +240,12 @@ def test_sp_matches_one_process_with_adamw(results):
         # largest per-tensor relative norm error 2.2e-6. Gradients differ only by fp32 summation order (sequence
         # shards reduced over ranks), ~1e-7 relative; AdamW divides by sqrt(v), so for elements whose gradient
         # changes sign between steps (m near 0) the relative difference grows, but a step is bounded by ~lr.
+        # On another machine of this kind (same torch build), one element of w_out (1 of 65536) differed by 5.9e-5
+        # = 0.059 * lr (the last landed commit failed at 0.05 * lr there too), hence 0.1 * lr; the per-tensor
+        # relative error check below stays at 1e-5.
         for name, param in reference["params"].items():
-            torch.testing.assert_close(sp["params"][name], param, rtol=1e-5, atol=0.05 * SP_LR, msg=name)
+            torch.testing.assert_close(sp["params"][name], param, rtol=1e-5, atol=0.1 * SP_LR,
+                                       msg=lambda m, n=name: f"{n}: {m}")
             assert _relative_error(sp["params"][name], param) < 1e-5, name
     for name, param in results[0]["sp"]["params"].items():
         assert torch.equal(param, results[1]["sp"]["params"][name]), name
@@ -270,8 +269,3 @@ def test_sp_reduce_scatters_instead_of_all_reducing(results):
         assert sp.get("reduce_scatter_tensor") == ROWWISE_LAYERS and "all_reduce" not in sp
         assert sp.get("all_gather_into_tensor", 0) >= ROWWISE_LAYERS  # one before each q/k/v or fc1
 
-
-def test_explicit_plan_with_sequence_parallel_raises(results):
-    for rank_result in results:
-        message = rank_result["plan_and_sp_error"]
-        assert message is not None and "sequence_parallel" in message and "plan" in message

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_mm.checkpoint import read_topology
@@ -114,3 +115,28 @@ def test_fit_with_hybrid_strategy_from_yaml_on_two_processes(tmp_path):
     assert topology["world_size"] == 2 and topology["mesh"]["dp_shard"] == 2
     history = read_offline_history(find_offline_runs(tmp_path)[0])
     assert len(metric_series(history, "train/loss")) == 6
+
+
+def _fit_losses(tmp_path, *overrides: str) -> list[float]:
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(REPO / "examples/configs/tiny_hybrid.yaml"),
+         f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+         "--trainer.max_steps=20", "--trainer.val_check_interval=10", "--trainer.enable_checkpointing=false",
+         *overrides],
+        cwd=tmp_path, env=env, check=True, capture_output=True, timeout=400,
+    )
+    return metric_series(read_offline_history(find_offline_runs(tmp_path)[0]), "train/loss")
+
+
+def test_fit_pipeline_parallel_keeps_the_losses_of_one_process(tmp_path):
+    """``lightning-mm fit`` with pp2 (2 processes, one data-parallel rank) vs one process on the same data: the
+    per-step losses agree, contrastive and expert balance losses included (the pipeline keeps the objective). The
+    strategy is given by class path on the command line."""
+    one = _fit_losses(tmp_path / "pp1", "--trainer.devices=1")
+    pipelined = _fit_losses(
+        tmp_path / "pp2", "--trainer.devices=2", "--trainer.strategy=lightning_mm.strategies.HybridParallelStrategy",
+        "--trainer.strategy.pipeline_parallel=2", "--trainer.strategy.pipeline_schedule=1F1B")
+    assert len(one) == len(pipelined) == 20
+    assert one[0] != one[-1]
+    torch.testing.assert_close(torch.tensor(pipelined), torch.tensor(one), rtol=1e-5, atol=0)

@@ -14,7 +14,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_mm.models.vlm import FusionBlock, TransformerBlock, VisionLanguageModel, build_config
-from lightning_mm.parallel.plans import STYLES, ReplicateParallel, _GatherSequence, reference_vlm_plan, resolve_plan
+from lightning_mm.models.vlm.parallelize import reference_vlm_plan
+from lightning_mm.parallel.plans import STYLES, GatherSequence, ReplicateParallel, resolve_plan
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_sequence_parallel_plan_shards_every_block_norm_and_gathers_before_atten
             residual = sp_resolved[prefix + "gated_residual"]
             assert residual.input_layouts == (None, None, Replicate(), Replicate())
             assert residual.desired_input_layouts == (None, None, Replicate(), Shard(1))
-            assert isinstance(sp_resolved[prefix + "experts"], _GatherSequence)
+            assert isinstance(sp_resolved[prefix + "experts"], GatherSequence)
             # The media stream stays whole: its norms are not sequence-parallel.
             assert prefix + "media_norm" not in sp_resolved and prefix + "media_ffn_norm" not in sp_resolved
     assert isinstance(sp_resolved["vision.norm"], SequenceParallel)
@@ -115,7 +116,7 @@ def test_sequence_parallel_plan_enters_and_leaves_the_sharded_region(model, sp_r
 def test_sequence_parallel_plan_resolves_on_a_deeper_model():
     deeper = VisionLanguageModel(build_config("tiny", vision_layers=3, unimodal_layers=2, fusion_layers=2))
     resolved = resolve_plan(deeper, reference_vlm_plan(sequence_parallel=True))
-    assert isinstance(resolved["fusion_layers.1.experts"], _GatherSequence)
+    assert isinstance(resolved["fusion_layers.1.experts"], GatherSequence)
     assert isinstance(resolved["vision.blocks.2.mlp.fc2"], RowwiseParallel)
     assert "unimodal_layers.1" not in resolved
 

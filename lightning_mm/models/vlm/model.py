@@ -32,6 +32,17 @@ from torch import nn
 from lightning_mm.batch import MultimodalBatch
 
 __all__ = [
+    "Attention",
+    "FusionBlock",
+    "GatedResidual",
+    "TransformerBlock",
+    "VisionEncoder",
+    "cross_mask",
+    "positions_in_segment",
+    "rotary_tables",
+    "segment_last",
+    "segment_max",
+    "segment_self_mask",
     "VLMConfig",
     "PRESETS",
     "build_config",
@@ -158,7 +169,7 @@ def positions_in_segment(causal_mask: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ building blocks
 
 
-def _rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin tables ``(R, 1, T, head_dim)`` for rotary position embeddings."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = positions[:, :, None].float() * inv_freq  # (R, T, head_dim/2)
@@ -166,7 +177,7 @@ def _rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch
     return angles.cos(), angles.sin()
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _applyrotary_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -205,7 +216,7 @@ class Attention(nn.Module):
         k = self.k_proj(context).view(rows, len_k, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(context).view(rows, len_k, -1, self.head_dim).transpose(1, 2)
         if rotary is not None:
-            q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
+            q, k = _applyrotary_tables(q, *rotary), _applyrotary_tables(k, *rotary)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.o_proj(out.transpose(1, 2).reshape(rows, len_q, -1))
 
@@ -307,7 +318,7 @@ class GatedResidual(nn.Module):
     A module (rather than one line of :class:`FusionBlock`) only so that a tensor-parallel plan can give its inputs
     layouts: under sequence parallelism ``x`` and ``update`` are sequence-sharded while ``gate`` (the block's
     parameter) and ``keep`` arrive whole, and the gate's gradient must be summed over the sequence shards (see
-    :func:`lightning_mm.parallel.plans.reference_vlm_plan`).
+    :func:`lightning_mm.models.vlm.parallelize.reference_vlm_plan`).
     """
 
     def forward(self, x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -395,12 +406,12 @@ class VLMOutput:
     router_stats: list[RouterStats] = field(default_factory=list)
 
 
-def _segment_onehot(segment: torch.Tensor, slots: int) -> torch.Tensor:
+def segment_onehot(segment: torch.Tensor, slots: int) -> torch.Tensor:
     """``(R, S, L)`` bool: position ``l`` of row ``r`` belongs to segment ``s``."""
     return segment[:, None, :] == torch.arange(slots, device=segment.device)[None, :, None]
 
 
-def _segment_max(x: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Tensor:
+def segment_max(x: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Tensor:
     """``x (R, L, D)`` max-pooled per segment id -> ``(R, S, D)`` (zero for empty segments).
 
     One slot at a time, so memory stays ``R * L * D`` however many samples a packed row holds.
@@ -413,9 +424,9 @@ def _segment_max(x: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Te
     return torch.stack(pooled, dim=1)
 
 
-def _segment_last(x: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Tensor:
+def segment_last(x: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Tensor:
     """``x (R, L, D)`` at the last position of each segment -> ``(R, S, D)`` (position 0 for empty ones)."""
-    onehot = _segment_onehot(segment, slots)
+    onehot = segment_onehot(segment, slots)
     positions = torch.arange(segment.shape[1], device=segment.device)
     last = torch.where(onehot, positions, -1).amax(dim=-1).clamp(min=0)  # (R, S)
     return x.gather(1, last[..., None].expand(-1, -1, x.shape[-1]))
@@ -471,12 +482,12 @@ class VisionLanguageModel(nn.Module):
         # names would drown in the background. Measured on the synthetic data (small preset, 150 steps):
         # a linear colour probe on max-pooled ViT features reaches ~55-65 % accuracy, on mean-pooled
         # ones it stays near chance (~10 %); the contrastive loss then stalls at chance as well.
-        image_embeds = self.image_proj(_segment_max(image_features, batch.patch_segment, slots))
+        image_embeds = self.image_proj(segment_max(image_features, batch.patch_segment, slots))
         media = self.projector(image_features)  # (R, Np, Dt)
 
         # Text: causal inside each caption, rotary positions restart at every caption.
         text_mask = segment_self_mask(batch.token_segment, causal=True)
-        rotary = _rotary(
+        rotary = rotary_tables(
             positions_in_segment(text_mask & (batch.token_segment[:, None, :] >= 0)),
             config.text_width // config.text_heads,
             config.rope_theta,
@@ -485,7 +496,7 @@ class VisionLanguageModel(nn.Module):
         for layer in self.unimodal_layers:
             text = layer(text, text_mask, rotary)
         # The last token of a causal stack is the only one that has read the whole caption (CLIP's EOT).
-        text_embeds = self.text_proj(_segment_last(self.text_pool_norm(text), batch.token_segment, slots))
+        text_embeds = self.text_proj(segment_last(self.text_pool_norm(text), batch.token_segment, slots))
 
         media_mask, media_has_key = cross_mask(batch.token_segment, batch.patch_segment)
         text_valid, media_valid = batch.token_segment >= 0, batch.patch_segment >= 0

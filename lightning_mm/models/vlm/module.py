@@ -13,10 +13,12 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
-from lightning_mm.models.losses import VLMLosses, compute_losses
 from lightning_mm.models.metrics import ImageTextRecallAtK
-from lightning_mm.models.vlm import VisionLanguageModel, build_config
+from lightning_mm.models.vlm.losses import VLMLosses, compute_losses
+from lightning_mm.models.vlm.model import VisionLanguageModel, build_config
+from lightning_mm.models.vlm.parallelize import vlm_parallel_plan
 from lightning_mm.parallel.collectives import group_size
+from lightning_mm.parallel.protocol import ParallelPlan
 
 __all__ = ["VLMModule"]
 
@@ -117,6 +119,14 @@ class VLMModule(L.LightningModule):
                 name, value.detach(), prog_bar=name.endswith("/loss"), on_step=on_step, on_epoch=not on_step,
                 batch_size=batch_size, sync_dist=True,
             )
+
+    def parallel_plan(self, *, sequence_parallel: bool = False, microbatches: int = 1,
+                      pipeline_shape: tuple[int, int, int, int] | None = None) -> ParallelPlan:
+        """How this module is parallelized (:mod:`lightning_mm.parallel.protocol`): the reference model's TP / SP
+        plan, blocks, experts and pipeline, with this module's loss weights in the pipeline objective."""
+        return vlm_parallel_plan(self, "model", sequence_parallel=sequence_parallel, microbatches=microbatches,
+                                 pipeline_shape=pipeline_shape, contrastive_weight=self.hparams.contrastive_weight,
+                                 moe_aux_weight=self.hparams.moe_aux_weight)
 
     # ------------------------------------------------------------------------------------------ steps
 

@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
-from lightning_mm.models.vlm import RouterStats, VLMOutput
+from lightning_mm.models.vlm.model import RouterStats, VLMOutput
 from lightning_mm.parallel.collectives import all_gather_with_grad, all_reduce_sum, group_size
 
-__all__ = ["VLMLosses", "compute_losses", "contrastive_loss_sum", "load_balancing_terms"]
+__all__ = ["VLMLosses", "caption_loss_sum", "compute_losses", "contrastive_loss_sum", "load_balancing_terms"]
 
 
 @dataclass
@@ -32,6 +32,12 @@ class VLMLosses:
     """Label tokens in the global batch."""
     image_text_pairs: int
     """Samples with an image in the global batch (the contrastive loss's batch)."""
+
+
+def caption_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over the label tokens: ``logits (R, T, V)``, ``labels (R, T)`` (-100: none)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def contrastive_loss_sum(
@@ -79,24 +85,15 @@ def compute_losses(
     contrastive_weight: float = 1.0,
     moe_aux_weight: float = 0.01,
     group: dist.ProcessGroup | None = None,
-    normalizers: tuple[int, int] | None = None,
-    moe_aux_divisor: float = 1.0,
 ) -> VLMLosses:
     """Captioning + contrastive + expert balance losses; ``group`` is the data-parallel group (or None).
 
-    ``normalizers=(caption_tokens, image_text_pairs)``: global counts (over ``group``) to divide the caption and
-    contrastive sums by instead of this batch's own. Pipeline parallelism passes the whole batch's counts for each
-    microbatch, so the microbatch losses *sum* to the batch loss: the caption loss equals the full-batch one
-    exactly; the contrastive loss takes its negatives from the microbatch (gathered over ``group``).
-    ``moe_aux_divisor``: the balance loss (computed from this call's routing, i.e. per microbatch) is divided by it,
-    e.g. by the number of microbatches so their sum is the mean over microbatches.
+    Under pipeline parallelism the same objective is computed microbatch by microbatch by
+    :class:`lightning_mm.models.vlm.pipeline.VLMPipelineObjective`.
     """
     world = group_size(group)
     logits = output.logits
-    caption_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), batch.labels.reshape(-1), ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    caption_sum = caption_loss_sum(logits, batch.labels)
     pairs = (batch.sample_ids >= 0) & batch.has_image  # (R, S)
     local_counts = [
         (batch.labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1),
@@ -106,14 +103,10 @@ def compute_losses(
     global_counts = all_reduce_sum(torch.cat(local_counts), group)
     caption_tokens, image_text_pairs = int(global_counts[0]), int(global_counts[1])
     router_counts = global_counts[2:].split([s.expert_counts.shape[0] for s in output.router_stats])
-    # Whether to gather negatives depends on this call's own global pair count (identical on every rank).
-    has_pairs = image_text_pairs > 0
-    if normalizers is not None:
-        caption_tokens, image_text_pairs = int(normalizers[0]), int(normalizers[1])
 
     caption = caption_sum / (caption_tokens / world) if caption_tokens else caption_sum * 0.0
     image_embeds, text_embeds = output.image_embeds[pairs], output.text_embeds[pairs]
-    if has_pairs and image_text_pairs:
+    if image_text_pairs:
         contrastive = contrastive_loss_sum(image_embeds, text_embeds, output.logit_scale, group)
         contrastive = contrastive / (image_text_pairs / world)
     else:  # no image anywhere in the global batch: every rank skips the gather alike
@@ -121,7 +114,7 @@ def compute_losses(
     if output.router_stats:
         moe_aux = torch.stack(
             [load_balancing_terms(s, c, world) for s, c in zip(output.router_stats, router_counts, strict=True)]
-        ).mean() / moe_aux_divisor
+        ).mean()
     else:
         moe_aux = caption.new_zeros(())
     total = caption + contrastive_weight * contrastive + moe_aux_weight * moe_aux

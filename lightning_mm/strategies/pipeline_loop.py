@@ -1,0 +1,157 @@
+"""The pipeline training loop inside Lightning's steps: one rank's stages, schedules and the model's objective.
+
+Lightning's automatic optimization runs ``training_step -> zero_grad -> backward -> optimizer.step``. Under pipeline
+parallelism the schedule runs forward *and* backward inside ``training_step``, so the strategy skips Lightning's
+own zero_grad + backward (the fit loop's ``_skip_backward`` flag, as Lightning's ``StochasticWeightAveraging``
+does) and zeroes the gradients itself at the start of each accumulation window; the optimizer step, gradient
+clipping (through the strategy's precision plugin) and schedulers stay Lightning's.
+
+Per step (:meth:`PipelineRunner.run`), on every rank of the pipeline:
+
+1. the batch is brought to the fixed shape pipelining needs (``PipelineSpec.prepare_batch``) and the objective
+   computes its whole-batch counts (``begin``);
+2. a forward-only pass of the schedule (``needs_statistics``, and always for validation) lets the objective
+   ``observe`` every microbatch and ``prepare`` whole-batch quantities;
+3. the training schedule runs forward + backward with the objective's ``microbatch_loss``;
+4. the last stage's loss values are broadcast over the pipeline group, so every rank logs the same numbers.
+
+The two passes use separate ``PipelineStage`` objects over the same stage modules, so neither re-initializes the
+other's communication buffers each step (a stage switching between eval and train re-runs its shape inference).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mm.parallel.pipeline import PipelineSplit, TimelineRecorder, build_schedule, idle_fraction, plot_timeline
+from lightning_mm.parallel.protocol import PipelineSpec
+
+__all__ = ["PipelineRunner"]
+
+
+class PipelineRunner:
+    """This rank's stage(s) of a pipelined model and the schedules that run them."""
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        split: PipelineSplit,
+        stage_modules: Sequence[nn.Module],
+        stage_ids: Sequence[int],
+        device: torch.device,
+        pp_group: dist.ProcessGroup,
+        schedule: str,
+        microbatches: int,
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.spec, self.split = spec, split
+        self.stage_modules = list(stage_modules)
+        self.stage_ids = list(stage_ids)
+        self.pp_group = pp_group
+        self.pp_size = dist.get_world_size(pp_group)
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        num_stages = split.num_stages
+        self.has_first = 0 in self.stage_ids
+        self.has_last = num_stages - 1 in self.stage_ids
+
+        def stages() -> list[PipelineStage]:
+            return [PipelineStage(module, stage, num_stages, device, group=pp_group)
+                    for module, stage in zip(self.stage_modules, self.stage_ids, strict=True)]
+
+        self._loss_divisor = 1
+        self.train_schedule = build_schedule(stages(), schedule, microbatches, self._train_loss)
+        self.eval_schedule = build_schedule(stages(), schedule, microbatches, self._observe)
+        self.recorder = TimelineRecorder(self.train_schedule._stages if hasattr(self.train_schedule, "_stages")
+                                         else [self.train_schedule._stage])
+        self._value_names: list[str] | None = None
+        self.timeline: dict | None = None
+
+    # ------------------------------------------------------------------------------------------- loss callbacks
+
+    def _train_loss(self, output: Any, target: Any) -> torch.Tensor:
+        # scale_grads=False in build_schedule: gradients are the sum of these shares over the microbatches.
+        return self.spec.objective.microbatch_loss(output, target) / self._loss_divisor
+
+    def _observe(self, output: Any, target: Any) -> torch.Tensor:
+        self.spec.objective.observe(output, target)
+        return torch.zeros(())
+
+    # ------------------------------------------------------------------------------------------- one step
+
+    def run(
+        self,
+        batch: Any,
+        group: dist.ProcessGroup | None,
+        train: bool,
+        loss_divisor: int,
+        context: Callable[[], AbstractContextManager],
+    ) -> dict[str, torch.Tensor]:
+        """One step over ``batch`` (this rank's data-parallel share); returns the whole batch's loss values (this
+        rank's share of the global ones, as without pipelining) on every rank. ``context()`` gives the precision
+        plugin's step context (autocast), entered once per pass."""
+        spec, objective = self.spec, self.spec.objective
+        if spec.prepare_batch is not None:
+            batch = spec.prepare_batch(batch)
+        args = spec.inputs(batch)
+        rows = spec.num_rows(batch) if spec.num_rows is not None else args[0].shape[0]
+        if rows % self.microbatches:
+            raise ValueError(f"a batch of {rows} rows does not split into microbatches={self.microbatches}; choose "
+                             "microbatches dividing the per-rank batch size")
+        target = spec.target(batch)
+        args = args if self.has_first else ()
+        objective.begin(batch, group)
+        if not train or objective.needs_statistics:
+            # Lightning validates under inference_mode; the schedule's receive buffers are ordinary tensors.
+            with torch.inference_mode(False), torch.no_grad(), context():
+                self.eval_schedule.eval(*[a.clone() for a in args], target=_clone(target))
+            if self.has_last:
+                objective.prepare(group, train)
+        if train:
+            self._loss_divisor = loss_divisor
+            with context():
+                self.train_schedule.step(*args, target=target)
+        return self._broadcast(objective.values() if self.has_last else {})
+
+    def _broadcast(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._value_names is None:  # the last stage names the values once; a tensor broadcast per step after
+            names = [list(values)]
+            dist.broadcast_object_list(names, group=self.pp_group, group_src=self.pp_size - 1)
+            self._value_names = names[0]
+        stacked = (torch.stack([values[name].detach().float().reshape(()) for name in self._value_names])
+                   if self.has_last else torch.zeros(len(self._value_names)))
+        dist.broadcast(stacked, group=self.pp_group, group_src=self.pp_size - 1)
+        return dict(zip(self._value_names, stacked, strict=True))
+
+    # ------------------------------------------------------------------------------------------- timeline
+
+    def record(self, enabled: bool) -> float:
+        self.recorder.enabled = enabled
+        return time.perf_counter()
+
+    def collect_timeline(self, step_start: float, path, rank: int) -> dict:
+        """Gather the recorded chunks of every pipeline rank; rank 0 draws them to ``path``."""
+        self.recorder.enabled = False
+        events = [e for e in self.recorder.events if e[3] >= step_start]
+        self.recorder.events.clear()
+        gathered: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(gathered, events, group=self.pp_group)
+        p, m = self.pp_size, self.microbatches
+        self.timeline = {"events": gathered, "idle_fraction": idle_fraction(gathered), "theory": (p - 1) / (m + p - 1),
+                         "schedule": self.schedule_name, "microbatches": m, "pp": p}
+        if path is not None and rank == 0:
+            plot_timeline(gathered, path, f"{self.schedule_name} pp={p} m={m}: idle "
+                          f"{self.timeline['idle_fraction']:.2f} (theory {self.timeline['theory']:.2f})")
+        return self.timeline
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,62 @@
+"""Precision plugins whose gradient clipping sees the whole mesh.
+
+Lightning clips through ``precision_plugin.clip_grad_by_norm``, which runs ``torch.nn.utils.clip_grad_norm_`` on
+the local parameters: that fails on a mix of DTensor meshes and plain tensors, and under pipeline parallelism it
+would see one stage's gradients only. These subclasses of Lightning's own plugins clip by the norm over every
+shard once (:func:`lightning_mm.parallel.clip.clip_grad_norm_`), reduced over the groups that hold different
+parameters beyond the DTensor meshes (the pipeline stages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_mm.parallel.clip import clip_grad_norm_
+
+__all__ = ["MeshHalfPrecision", "MeshMixedPrecision", "MeshPrecision", "with_mesh_clipping"]
+
+
+class _MeshClipping:
+    """Mixin for a Lightning ``Precision`` plugin: clip by the norm over the whole mesh."""
+
+    norm_groups: Callable[[], tuple[dist.ProcessGroup, ...]] = tuple
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val, extra_groups=self.norm_groups())
+
+
+class MeshPrecision(_MeshClipping, Precision):
+    """``precision="32-true"`` with mesh-wide clipping."""
+
+
+class MeshHalfPrecision(_MeshClipping, HalfPrecision):
+    """``precision="bf16-true"`` / ``"16-true"`` with mesh-wide clipping."""
+
+
+class MeshMixedPrecision(_MeshClipping, MixedPrecision):
+    """``precision="bf16-mixed"`` with mesh-wide clipping."""
+
+
+_MESH_CLASSES: dict[type, type] = {Precision: MeshPrecision, HalfPrecision: MeshHalfPrecision,
+                                   MixedPrecision: MeshMixedPrecision}
+
+
+def with_mesh_clipping(plugin: Precision, norm_groups: Callable[[], tuple[dist.ProcessGroup, ...]]) -> Precision:
+    """The mesh-clipping counterpart of the plugin Lightning chose for ``Trainer(precision=...)``, with its state."""
+    if isinstance(plugin, _MeshClipping):
+        plugin.norm_groups = norm_groups
+        return plugin
+    cls = _MESH_CLASSES.get(type(plugin))
+    if cls is None:
+        raise TypeError(f"HybridParallelStrategy supports Lightning's Precision, HalfPrecision and MixedPrecision "
+                        f"plugins (Trainer(precision=...)), got {type(plugin).__name__}")
+    mesh_plugin = cls.__new__(cls)
+    mesh_plugin.__dict__.update(plugin.__dict__)  # same precision, dtype, device and scaler as Lightning's choice
+    mesh_plugin.norm_groups = norm_groups
+    return mesh_plugin

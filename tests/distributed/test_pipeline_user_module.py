@@ -1,0 +1,142 @@
+"""Pipeline parallel for a LightningModule that is not the reference model, given only ``pipeline_split``.
+
+The module has its own layer names (``trunk.stem``, ``trunk.layers.*``, ``trunk.out``) and a sequential trunk, and
+defines ``pipeline_loss`` (the mean loss of a microbatch). pp2 (2 ranks) and pp2 x dp2 (4 ranks), 1F1B, 5 AdamW
+steps with clipping, against the same module trained by one process on the whole batch with Lightning's own
+``training_step`` and backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_mm.strategies import HybridParallelStrategy
+from tests.helpers import LossRecorder, run_distributed
+
+GLOBAL_BATCH, STEPS, SEED, CLIP = 8, 5, 0, 0.5
+SPLIT = ["trunk.layers.2"]
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(F.gelu(self.norm(x)))
+
+
+class Trunk(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Linear(6, width)
+        self.layers = nn.ModuleList(Residual(width) for _ in range(depth))
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+class Classifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = Trunk()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.pipeline_loss(self.trunk(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _data(dp_rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(STEPS, GLOBAL_BATCH, 6, generator=gen)
+    y = torch.randint(0, 5, (STEPS, GLOBAL_BATCH), generator=gen)
+    per = GLOBAL_BATCH // dp
+    return [(x[s, dp_rank * per:(dp_rank + 1) * per], y[s, dp_rank * per:(dp_rank + 1) * per]) for s in range(STEPS)]
+
+
+def _trainer(devices: int, strategy) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, gradient_clip_val=CLIP,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     use_distributed_sampler=False, callbacks=[LossRecorder()])
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _fit(rank: int, world: int) -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module = Classifier()
+    strategy = HybridParallelStrategy(pipeline_parallel=2, pipeline_split=SPLIT, pipeline_schedule="1F1B",
+                                      microbatches=2)
+    dp = world // 2
+    trainer = _trainer(world, strategy)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_data(rank % dp, dp), batch_size=None))
+    return {"losses": trainer.callbacks[0].losses,
+            "params": {n: _full(p) for n, p in module.named_parameters()}}
+
+
+@functools.cache
+def _parallel(world: int) -> list[dict]:
+    return run_distributed(_fit, world, timeout=300)
+
+
+@functools.cache
+def _reference() -> dict:
+    L.seed_everything(SEED, verbose=False)
+    module = Classifier()
+    trainer = _trainer(1, "auto")
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_data(0, 1), batch_size=None))
+    return {"losses": trainer.callbacks[0].losses, "params": {n: _full(p) for n, p in module.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2_dp2"])
+def test_user_module_pipeline_matches_one_process(world):
+    results, reference = _parallel(world), _reference()
+    assert len(reference["losses"]) == STEPS and reference["losses"][0] != reference["losses"][-1]
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5,
+                                   atol=0)
+    merged: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, value in result["params"].items():
+            if name in merged:
+                torch.testing.assert_close(value, merged[name], rtol=0, atol=0)
+            merged[name] = value
+    assert set(merged) == set(reference["params"])  # the stages together hold every parameter, FQNs unchanged
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_module_without_pipeline_loss_is_refused_naming_it():
+    class NoLoss(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk = Trunk()
+
+    strategy = HybridParallelStrategy(pipeline_parallel=2, pipeline_split=SPLIT)
+    with pytest.raises(ValueError, match="NoLoss must define pipeline_loss"):
+        strategy._pipeline_spec(NoLoss(), strategy.parallel_plan(NoLoss()))
+    auto = HybridParallelStrategy(pipeline_parallel=2)
+    with pytest.raises(ValueError, match="pipeline_split="):
+        auto._pipeline_spec(Classifier(), auto.parallel_plan(Classifier()))
