@@ -118,6 +118,7 @@ def test_fit_with_hybrid_strategy_from_yaml_on_two_processes(tmp_path):
 
 
 def _fit_losses(tmp_path, *overrides: str) -> list[float]:
+    tmp_path.mkdir(parents=True)
     env = {**os.environ, "WANDB_MODE": "offline"}
     subprocess.run(
         [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(REPO / "examples/configs/tiny_hybrid.yaml"),
