@@ -248,6 +248,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return self.parallel_dims.data_parallel_size()
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Lightning's injected DistributedSampler must split by batch shard, not by global rank: tp peers share one.
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
@@ -284,6 +285,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "move between expert-parallel and other runs"
             )
 
+    @override
     def setup_environment(self) -> None:
         # Degrees are checked against the world size before any process group exists, so a wrong config fails
         # identically on every rank without a hang.
@@ -583,6 +585,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     # ---------------------------------------------------------------------------------------------- checkpoints
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         checkpoint[ckpt.TOPOLOGY_KEY] = self.topology()
         if not self._save_distributed_checkpoint:
@@ -595,6 +598,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         optimizer_states = checkpoint.pop("optimizer_states", [])
         ckpt.save_sharded(path, model_state, optimizer_states, checkpoint)
 
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         strict = self.lightning_module.strict_loading
