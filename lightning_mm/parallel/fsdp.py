@@ -15,15 +15,15 @@ are written for.
 
 from __future__ import annotations
 
-import functools
+import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
@@ -83,18 +83,22 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
     Apply after tensor parallelism and before FSDP (the torchtitan order): the block's FSDP hooks then wrap the
     checkpointed forward, so parameters are gathered before the recomputation runs in backward.
 
-    Implemented by replacing each block's ``forward`` on the instance with a non-reentrant
-    ``torch.utils.checkpoint.checkpoint`` of the original, rather than with torch's ``checkpoint_wrapper``: the
-    wrapper inserts a ``_checkpoint_wrapped_module`` level into every parameter name, which user TP plans, FSDP
-    block selection and plain ``state_dict()`` keys would then see. Here the module tree and FQNs are unchanged,
-    so checkpoints are the same with and without activation checkpointing. Idempotent.
+    Uses torch's composable ``checkpoint`` (non-reentrant, as forward pre- / post-hooks), rather than
+    ``checkpoint_wrapper``, which inserts a ``_checkpoint_wrapped_module`` level into every parameter name that user
+    TP plans, FSDP block selection and plain ``state_dict()`` keys would then see: here the module tree, the
+    block's ``forward`` and the FQNs are unchanged, so checkpoints are the same with and without activation
+    checkpointing. It lives under ``torch.distributed._composable`` (no public alias in torch 2.13; it is the
+    composable API family ``fully_shard`` came from). Idempotent.
     """
     for block in blocks:
-        if getattr(block, "_lightning_mm_checkpointed", False):
+        if block in _CHECKPOINTED:
             continue
-        original = block.forward
-        block.forward = functools.partial(checkpoint, original, use_reentrant=False)
-        block._lightning_mm_checkpointed = True
+        composable_checkpoint(block)
+        _CHECKPOINTED.add(block)
+
+
+_CHECKPOINTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Blocks already checkpointed (the composable API refuses a second application); kept here, not on the block."""
 
 
 def _keep_scalars_replicated(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:

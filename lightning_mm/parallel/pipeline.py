@@ -263,21 +263,28 @@ def build_schedule(
 class TimelineRecorder:
     """Records wall-clock start/end of every forward / backward chunk of the wrapped ``PipelineStage`` objects.
 
-    Wraps ``forward_one_chunk``, ``backward_one_chunk`` and ``backward_weight_one_chunk`` on the stage instances;
-    records only while :attr:`enabled`. Events: ``(kind, stage, microbatch, start, end)`` with ``perf_counter``
-    times (use :meth:`events_since` with the step's start time to align ranks roughly; every rank starts the step
-    after the same collective).
+    Wraps ``forward_one_chunk``, ``backward_one_chunk`` and ``backward_weight_one_chunk`` on the stage instances
+    (torch's ``PipelineStage`` objects, not the user's modules; torch has no per-chunk hook); records only while
+    :attr:`enabled`. Events: ``(kind, stage, microbatch, start, end)`` with ``perf_counter`` times (filter by the
+    step's start time; every rank starts the step after the same collective, so ranks align roughly).
     """
 
-    def __init__(self, stages: Sequence[Any]) -> None:
-        import time
-
+    def __init__(self, stages: Sequence[Any], forward_kind: str = "F") -> None:
         self.enabled = False
         self.events: list[tuple[str, int, int, float, float]] = []
+        self.watch(stages, forward_kind)
+
+    def watch(self, stages: Sequence[Any], forward_kind: str = "F", forward_only: bool = False) -> None:
+        """Record ``stages`` too, their forward chunks as ``forward_kind``. ``forward_only``: stages of a forward-only
+        schedule (e.g. ``"S"``, the statistics pass), whose schedule still calls the backward methods as no-ops."""
+        import time
+
         clock = time.perf_counter
+        methods = [("forward_one_chunk", forward_kind)]
+        if not forward_only:
+            methods += [("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")]
         for stage in stages:
-            for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
-                                 ("backward_weight_one_chunk", "W")):
+            for method, kind in methods:
                 original = getattr(stage, method)
 
                 def wrapped(chunk_id, *args, _original=original, _kind=kind, _stage=stage.stage_index, **kwargs):
@@ -304,7 +311,8 @@ def idle_fraction(events_by_rank: Sequence[Sequence[tuple]]) -> float:
 
 
 def plot_timeline(events_by_rank: Sequence[Sequence[tuple]], path, title: str = "") -> None:
-    """Gantt chart (ranks as rows; forward blue, backward orange, weight-grad green; label = microbatch)."""
+    """Gantt chart (ranks as rows; statistics-pass forward grey, the objective's whole-batch work red, forward blue,
+    backward orange, weight-grad green; label = kind + microbatch)."""
     try:
         import matplotlib
     except ImportError as error:
@@ -316,13 +324,13 @@ def plot_timeline(events_by_rank: Sequence[Sequence[tuple]], path, title: str = 
 
     all_events = [e for events in events_by_rank for e in events]
     origin = min(e[3] for e in all_events) if all_events else 0.0
-    colors = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
+    colors = {"S": "tab:gray", "O": "tab:red", "F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
     fig, ax = plt.subplots(figsize=(10, 0.7 + 0.6 * len(events_by_rank)))
     for rank, events in enumerate(events_by_rank):
         for kind, stage, mb, start, end in events:
             ax.barh(rank, (end - start) * 1e3, left=(start - origin) * 1e3, color=colors[kind], edgecolor="black",
                     linewidth=0.4)
-            label = f"{kind}{mb}" + (f"s{stage}" if stage > 1 else "")
+            label = (f"{kind}{mb}" if mb >= 0 else kind) + (f"s{stage}" if stage > 1 else "")
             ax.text((start - origin + (end - start) / 2) * 1e3, rank, label, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(events_by_rank)), [f"rank {r}" for r in range(len(events_by_rank))])
     ax.invert_yaxis()

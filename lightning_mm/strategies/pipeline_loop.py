@@ -17,6 +17,8 @@ Per step (:meth:`PipelineRunner.run`), on every rank of the pipeline:
 
 The two passes use separate ``PipelineStage`` objects over the same stage modules, so neither re-initializes the
 other's communication buffers each step (a stage switching between eval and train re-runs its shape inference).
+The forward-only pass runs breadth first (GPipe / LoopedBFS) whatever the training schedule: without backward,
+that order has the shortest span.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class PipelineRunner:
         self.stage_ids = list(stage_ids)
         self.pp_group = pp_group
         self.pp_size = dist.get_world_size(pp_group)
+        self.device = device
         self.schedule_name = schedule
         self.microbatches = microbatches
         num_stages = split.num_stages
@@ -69,9 +72,12 @@ class PipelineRunner:
 
         self._loss_divisor = 1
         self.train_schedule = build_schedule(stages(), schedule, microbatches, self._train_loss)
-        self.eval_schedule = build_schedule(stages(), schedule, microbatches, self._observe)
-        self.recorder = TimelineRecorder(self.train_schedule._stages if hasattr(self.train_schedule, "_stages")
-                                         else [self.train_schedule._stage])
+        # Forward only, the breadth-first order is the shortest (no backward to interleave): GPipe for one stage per
+        # rank, LoopedBFS for several; whatever the training schedule is.
+        forward_schedule = "GPipe" if len(self.stage_ids) == 1 else "LoopedBFS"
+        self.eval_schedule = build_schedule(stages(), forward_schedule, microbatches, self._observe)
+        self.recorder = TimelineRecorder(_stages_of(self.train_schedule))
+        self.recorder.watch(_stages_of(self.eval_schedule), forward_kind="S", forward_only=True)
         self._value_names: list[str] | None = None
         self.timeline: dict | None = None
 
@@ -114,7 +120,10 @@ class PipelineRunner:
             with torch.inference_mode(False), torch.no_grad(), context():
                 self.eval_schedule.eval(*[a.clone() for a in args], target=_clone(target))
             if self.has_last:
+                start = time.perf_counter()
                 objective.prepare(group, train)
+                if self.recorder.enabled:  # the objective's whole-batch work between the passes, on the timeline
+                    self.recorder.events.append(("O", self.split.num_stages - 1, -1, start, time.perf_counter()))
         if train:
             self._loss_divisor = loss_divisor
             with context():
@@ -126,8 +135,9 @@ class PipelineRunner:
             names = [list(values)]
             dist.broadcast_object_list(names, group=self.pp_group, group_src=self.pp_size - 1)
             self._value_names = names[0]
-        stacked = (torch.stack([values[name].detach().float().reshape(()) for name in self._value_names])
-                   if self.has_last else torch.zeros(len(self._value_names)))
+        stacked = (torch.stack([values[name].detach().float().reshape(()).to(self.device)
+                                for name in self._value_names])
+                   if self.has_last else torch.zeros(len(self._value_names), device=self.device))
         dist.broadcast(stacked, group=self.pp_group, group_src=self.pp_size - 1)
         return dict(zip(self._value_names, stacked, strict=True))
 
@@ -144,13 +154,20 @@ class PipelineRunner:
         self.recorder.events.clear()
         gathered: list[Any] = [None] * self.pp_size
         dist.all_gather_object(gathered, events, group=self.pp_group)
-        p, m = self.pp_size, self.microbatches
-        self.timeline = {"events": gathered, "idle_fraction": idle_fraction(gathered), "theory": (p - 1) / (m + p - 1),
-                         "schedule": self.schedule_name, "microbatches": m, "pp": p}
+        p, m, v = self.pp_size, self.microbatches, len(self.stage_ids)
+        # Every stage equally costly: (p - 1) idle slots of the v * m chunk slots per rank and pass.
+        self.timeline = {"events": gathered, "idle_fraction": idle_fraction(gathered),
+                         "theory": (p - 1) / (v * m + p - 1), "schedule": self.schedule_name, "microbatches": m,
+                         "pp": p, "virtual_stages": v}
         if path is not None and rank == 0:
             plot_timeline(gathered, path, f"{self.schedule_name} pp={p} m={m}: idle "
                           f"{self.timeline['idle_fraction']:.2f} (theory {self.timeline['theory']:.2f})")
         return self.timeline
+
+
+def _stages_of(schedule: Any) -> list[Any]:
+    # The schedules keep their stages as `_stage` (one per rank) or `_stages`; no public accessor in torch 2.13.
+    return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
 
 
 def _clone(value: Any) -> Any:

@@ -56,13 +56,17 @@ def test_timeline_is_causal_and_logged(tmp_path):
     events = results[0]["timeline"]["events"]  # per pp rank: (kind, stage, microbatch, start, end)
     assert len(events) == 2
     for rank_events in events:
-        assert sorted((k, mb) for k, _, mb, _, _ in rank_events) == sorted(
-            (k, mb) for k in "FB" for mb in range(MICROBATCHES))
+        chunks = [(k, mb) for k, _, mb, _, _ in rank_events if k != "O"]
+        assert sorted(chunks) == sorted((k, mb) for k in "SFB" for mb in range(MICROBATCHES))
+    assert [k for k, *_ in events[0]].count("O") == 0 and [k for k, *_ in events[1]].count("O") == 1  # last stage
     first, last = ({(k, mb): (s, e) for k, _, mb, s, e in rank_events} for rank_events in events)
     for mb in range(MICROBATCHES):
         # stage 1 cannot start a microbatch's forward before stage 0 has finished it; backward flows the other way
         assert last[("F", mb)][0] >= first[("F", mb)][1]
         assert first[("B", mb)][0] >= last[("B", mb)][1]
+        # the statistics pass (forward only) flows like the forward and precedes the training pass
+        assert last[("S", mb)][0] >= first[("S", mb)][1]
+        assert first[("F", 0)][0] >= first[("S", mb)][1] and last[("F", 0)][0] >= last[("S", mb)][1]
     timeline = results[0]["timeline"]
     assert 0.0 < timeline["idle_fraction"] < 1.0
     assert timeline["theory"] == (2 - 1) / (MICROBATCHES + 2 - 1)

@@ -344,11 +344,12 @@ class VLMPipelineObjective(PipelineObjective):
         self.tokens, self.pairs = int(counts[0]), int(counts[1])
         self.rows = batch.num_rows
         self._image = self._text = self._pairs = self._scale = None
-        self._router_counts = torch.zeros(sum(self.decision_sizes), dtype=torch.float64)
-        self._prob_sums = torch.zeros(sum(self.decision_sizes), dtype=torch.float64)
+        device = batch.tokens.device
+        self._router_counts = torch.zeros(sum(self.decision_sizes), dtype=torch.float64, device=device)
+        self._prob_sums = torch.zeros(sum(self.decision_sizes), dtype=torch.float64, device=device)
         self._caption_parts: list[torch.Tensor] = []
         self._grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._fractions: list[torch.Tensor] = []
+        self._global_router_counts: list[torch.Tensor] = []
         self._values: dict[str, torch.Tensor] = {}
 
     def _caption(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -366,16 +367,15 @@ class VLMPipelineObjective(PipelineObjective):
         self._text[rows] = text_embeds.detach()
         self._pairs[rows] = pairs.bool()
         self._scale = scale[0].detach()
-        self._router_counts += counts.sum(dim=0).cpu().to(torch.float64)
-        self._prob_sums += probs.detach().sum(dim=0).cpu().to(torch.float64)
+        self._router_counts += counts.sum(dim=0).to(torch.float64)
+        self._prob_sums += probs.detach().sum(dim=0).to(torch.float64)
         self._caption_parts.append(self._caption(logits.detach(), target).float())
 
     def prepare(self, group: dist.ProcessGroup | None, train: bool) -> None:
-        device = self._image.device
-        router_counts = all_reduce_sum(self._router_counts.to(device), group)
-        decisions = list(zip(router_counts.split(self.decision_sizes), self._prob_sums.to(device).split(
-            self.decision_sizes), strict=True))
-        self._fractions = [counts for counts, _ in decisions]
+        router_counts = all_reduce_sum(self._router_counts, group)
+        decisions = list(zip(router_counts.split(self.decision_sizes), self._prob_sums.split(self.decision_sizes),
+                             strict=True))
+        self._global_router_counts = [counts for counts, _ in decisions]
         moe_aux = torch.stack([
             load_balancing_terms(RouterStats(expert_counts=counts, prob_sums=prob_sums), counts, self.world)
             for counts, prob_sums in decisions
@@ -414,7 +414,8 @@ class VLMPipelineObjective(PipelineObjective):
         probs = probs.sum(dim=0)
         moe_aux = torch.stack([
             load_balancing_terms(RouterStats(expert_counts=counts, prob_sums=probs[start:end]), counts, self.world)
-            for counts, start, end in zip(self._fractions, width_offsets[:-1], width_offsets[1:], strict=True)
+            for counts, start, end in zip(self._global_router_counts, width_offsets[:-1], width_offsets[1:],
+                                          strict=True)
         ]).mean()
         return self._caption(logits, target) + self.contrastive_weight * contrastive + self.moe_aux_weight * moe_aux
 
