@@ -79,17 +79,29 @@ RUNS: dict[str, tuple[dict[str, Any] | None, int]] = {
     # 250 steps (the fraction sent falls from ~1 to 1 %; bytes over the whole run are in the "run ratio" column).
     "top10% + int8, error feedback": ({"topk_ratio": 0.1, "bits": 8, "error_feedback": True}, 0),
     "top1% + int8, ef, sparsity warm-up 100": (
-        {"topk_ratio": 0.01, "bits": 8, "error_feedback": True, "sparsity_warmup_steps": 100}, 0),
+        {"topk_ratio": 0.01, "bits": 8, "error_feedback": True, "sparsity_warmup_steps": 100},
+        0,
+    ),
     "top1% + int8, ef, sparsity warm-up 250": (
-        {"topk_ratio": 0.01, "bits": 8, "error_feedback": True, "sparsity_warmup_steps": 250}, 0),
+        {"topk_ratio": 0.01, "bits": 8, "error_feedback": True, "sparsity_warmup_steps": 250},
+        0,
+    ),
 }
 
 
 def _datamodule(args: argparse.Namespace) -> ImageTextWebDataModule:
     return ImageTextWebDataModule(
-        synthetic_preset="default", regroup="pack", rows_per_batch=args.rows_per_batch,
-        max_patches_per_batch=args.rows_per_batch * 96, max_tokens_per_batch=args.rows_per_batch * 96,
-        buffer_size=1000, patch_size=16, max_patches_per_image=48, max_text_tokens=64, num_workers=0, seed=0,
+        synthetic_preset="default",
+        regroup="pack",
+        rows_per_batch=args.rows_per_batch,
+        max_patches_per_batch=args.rows_per_batch * 96,
+        max_tokens_per_batch=args.rows_per_batch * 96,
+        buffer_size=1000,
+        patch_size=16,
+        max_patches_per_image=48,
+        max_text_tokens=64,
+        num_workers=0,
+        seed=0,
     )
 
 
@@ -125,10 +137,13 @@ def _codec_row(grads: dict[str, torch.Tensor], kwargs: dict[str, Any], args: arg
             error_sq += float((decoded[name] - g).square().sum())
             norm_sq += float(g.square().sum())
     return {
-        "config": kwargs, "bytes_fp32": sizes["fp32"], "bytes_codec": sizes["codec_fp32_raw"],
+        "config": kwargs,
+        "bytes_fp32": sizes["fp32"],
+        "bytes_codec": sizes["codec_fp32_raw"],
         "ratio_vs_fp32": sizes["fp32"] / sizes["codec_fp32_raw"],
         "ratio_vs_bf16": sizes["bf16"] / sizes["codec_bf16_raw"],
-        "relative_l2_error": (error_sq / norm_sq) ** 0.5, "codec_ms_median": 1e3 * statistics.median(times),
+        "relative_l2_error": (error_sq / norm_sq) ** 0.5,
+        "codec_ms_median": 1e3 * statistics.median(times),
     }
 
 
@@ -139,18 +154,23 @@ def part1(args: argparse.Namespace) -> dict[str, Any]:
         grads = _gradients(preset, args)
         numels = [g.numel() for g in grads.values()]
         results[preset] = {
-            "parameters": sum(numels), "tensors": len(numels),
+            "parameters": sum(numels),
+            "tensors": len(numels),
             "tensors_under_min_numel": sum(n < args.min_numel for n in numels),
             "elements_under_min_numel": sum(n for n in numels if n < args.min_numel),
             "codecs": {name: _codec_row(grads, kwargs, args) for name, kwargs in CODECS.items()},
         }
-        print(f"\n[1] bytes on real gradients, preset {preset}: {sum(numels):,} parameters in {len(numels)} tensors "
-              f"({results[preset]['tensors_under_min_numel']} under min_numel={args.min_numel}, sent raw)")
+        print(
+            f"\n[1] bytes on real gradients, preset {preset}: {sum(numels):,} parameters in {len(numels)} tensors "
+            f"({results[preset]['tensors_under_min_numel']} under min_numel={args.min_numel}, sent raw)"
+        )
         print(f"{'codec':18} {'bytes':>11} {'vs fp32':>8} {'vs bf16':>8} {'rel. L2 err':>12} {'codec ms':>9}")
         print(f"{'fp32':18} {sum(numels) * 4:11,d} {1.0:8.2f} {'':>8} {'':>12} {'':>9}")
         for name, row in results[preset]["codecs"].items():
-            print(f"{name:18} {row['bytes_codec']:11,d} {row['ratio_vs_fp32']:8.2f} {row['ratio_vs_bf16']:8.2f} "
-                  f"{row['relative_l2_error']:12.4f} {row['codec_ms_median']:9.1f}")
+            print(
+                f"{name:18} {row['bytes_codec']:11,d} {row['ratio_vs_fp32']:8.2f} {row['ratio_vs_bf16']:8.2f} "
+                f"{row['relative_l2_error']:12.4f} {row['codec_ms_median']:9.1f}"
+            )
     return results
 
 
@@ -174,8 +194,9 @@ class _Recorder(L.Callback):
         loss = outputs["loss"].detach().clone()
         dist.all_reduce(loss)
         self.losses.append(loss.item() / dist.get_world_size())
-        self.compression.append({k.split("/", 1)[1]: float(v) for k, v in trainer.callback_metrics.items()
-                                 if k.startswith("compression/")})
+        self.compression.append(
+            {k.split("/", 1)[1]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("compression/")}
+        )
 
 
 class _SGDModule(VLMModule):
@@ -191,35 +212,57 @@ class _SGDModule(VLMModule):
         adamw = config["optimizer"]
         sgd = torch.optim.SGD(adamw.param_groups, lr=self.hparams.learning_rate, momentum=0.9)
         config["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(
-            sgd, config["lr_scheduler"]["scheduler"].lr_lambdas[0])
+            sgd, config["lr_scheduler"]["scheduler"].lr_lambdas[0]
+        )
         config["optimizer"] = sgd
         return config
 
 
-def _train(name: str, compression: dict[str, Any] | None, seed: int, args: argparse.Namespace,
-           module_type: type[VLMModule] | None = None, extra_callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
+def _train(
+    name: str,
+    compression: dict[str, Any] | None,
+    seed: int,
+    args: argparse.Namespace,
+    module_type: type[VLMModule] | None = None,
+    extra_callbacks: Sequence[L.Callback] = (),
+) -> dict[str, Any]:
     """One convergence run. ``module_type`` / ``extra_callbacks`` (before the recorder) are for
     ``compression_remedies.py``; its callbacks may log ``compression/bytes_before|bytes_after|ratio``."""
     L.seed_everything(seed, verbose=False)
     dm = _datamodule(args)
     module_type = module_type or (_SGDModule if args.optimizer == "sgd" else VLMModule)
-    module = module_type(preset="tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=48,
-                       learning_rate=args.learning_rate, warmup_steps=args.warmup_steps)
+    module = module_type(
+        preset="tiny",
+        vocab_size=dm.vocab_size,
+        patch_size=16,
+        max_patches_per_image=48,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+    )
     recorder = _Recorder()
     # The compression callback runs first: it logs its step metrics before the recorder reads them.
-    callbacks = ([CompressedAllToAll(**compression, min_numel=args.min_numel)] if compression else [])
+    callbacks = [CompressedAllToAll(**compression, min_numel=args.min_numel)] if compression else []
     callbacks += [*extra_callbacks, recorder]
     trainer = L.Trainer(
-        accelerator="cpu", devices=dist.get_world_size(), strategy="ddp", max_steps=args.steps,
-        val_check_interval=args.steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=callbacks,
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy="ddp",
+        max_steps=args.steps,
+        val_check_interval=args.steps,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
     )
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm)
     wall = time.perf_counter() - start
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    steps = recorder.compression[args.warmup_compression:]
+    steps = recorder.compression[args.warmup_compression :]
     summary = {}
     for key in ("bytes_before", "bytes_after", "ratio", "encode_ms", "decode_ms", "break_even_gbit_s"):
         values = [row[key] for row in steps if key in row]
@@ -229,11 +272,17 @@ def _train(name: str, compression: dict[str, Any] | None, seed: int, args: argpa
     after = sum(row.get("bytes_after", 0.0) for row in recorder.compression)
     summary["ratio_whole_run"] = before / after if after else None
     return {
-        "name": name, "config": compression, "seed": seed, "losses": recorder.losses,
+        "name": name,
+        "config": compression,
+        "seed": seed,
+        "losses": recorder.losses,
         "final_loss_median_last20": statistics.median(recorder.losses[-20:]),
-        "val_recall_at_1": metrics.get("val/recall_at_1"), "val_recall_chance": metrics.get("val/recall_at_1_chance"),
-        "val_loss": metrics.get("val/loss"), "wall_seconds": wall,
-        "step_seconds_median": statistics.median(recorder.step_seconds), "compression_median_per_step": summary,
+        "val_recall_at_1": metrics.get("val/recall_at_1"),
+        "val_recall_chance": metrics.get("val/recall_at_1_chance"),
+        "val_loss": metrics.get("val/loss"),
+        "wall_seconds": wall,
+        "step_seconds_median": statistics.median(recorder.step_seconds),
+        "compression_median_per_step": summary,
     }
 
 
@@ -254,19 +303,25 @@ def part2(args: argparse.Namespace) -> dict[str, Any]:
     collected = run_distributed(_rank_runs, world, args, timeout=24 * 3600, pg_timeout=600)
     runs = collected[0]
     base = runs[0]["final_loss_median_last20"]
-    print(f"{'run':40} {'final loss':>10} {'vs unc.':>8} {'val R@1':>8} {'val loss':>9} {'ratio':>7} "
-          f"{'run ratio':>9} {'bytes after':>11} {'codec ms':>9} {'B* Gbit/s':>10} {'s/step':>7}")
+    print(
+        f"{'run':40} {'final loss':>10} {'vs unc.':>8} {'val R@1':>8} {'val loss':>9} {'ratio':>7} "
+        f"{'run ratio':>9} {'bytes after':>11} {'codec ms':>9} {'B* Gbit/s':>10} {'s/step':>7}"
+    )
     for run in runs:
         comp = run["compression_median_per_step"]
         codec_ms = (comp["encode_ms"] + comp["decode_ms"]) if comp.get("encode_ms") is not None else None
-        print(f"{run['name']:40} {run['final_loss_median_last20']:10.4f} "
-              f"{100 * (run['final_loss_median_last20'] / base - 1):+7.2f}% {run['val_recall_at_1']:8.4f} "
-              f"{run['val_loss']:9.4f} {comp.get('ratio') or 1.0:7.1f} {comp.get('ratio_whole_run') or 1.0:9.1f} "
-              f"{int(comp['bytes_after']) if comp.get('bytes_after') else 0:11,d} "
-              f"{codec_ms if codec_ms is not None else 0.0:9.1f} {comp.get('break_even_gbit_s') or 0.0:10.3f} "
-              f"{run['step_seconds_median']:7.3f}")
-    print(f"(validation recall chance level: {runs[0]['val_recall_chance']:.4f}; ratio, bytes and codec time are "
-          "rank 0's per step, medians over the run; run ratio: all bytes of the run before / after)")
+        print(
+            f"{run['name']:40} {run['final_loss_median_last20']:10.4f} "
+            f"{100 * (run['final_loss_median_last20'] / base - 1):+7.2f}% {run['val_recall_at_1']:8.4f} "
+            f"{run['val_loss']:9.4f} {comp.get('ratio') or 1.0:7.1f} {comp.get('ratio_whole_run') or 1.0:9.1f} "
+            f"{int(comp['bytes_after']) if comp.get('bytes_after') else 0:11,d} "
+            f"{codec_ms if codec_ms is not None else 0.0:9.1f} {comp.get('break_even_gbit_s') or 0.0:10.3f} "
+            f"{run['step_seconds_median']:7.3f}"
+        )
+    print(
+        f"(validation recall chance level: {runs[0]['val_recall_chance']:.4f}; ratio, bytes and codec time are "
+        "rank 0's per step, medians over the run; run ratio: all bytes of the run before / after)"
+    )
     return {"world_size": world, "runs": runs}
 
 
@@ -312,8 +367,25 @@ def _shape(rate: str | None) -> None:
         if rate is not None:
             # burst: about 2 ms at the rate (>= one timer tick); latency bounds the queue.
             burst = {"1gbit": "256kb", "100mbit": "32kb"}.get(rate, "64kb")
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                "burst", burst, "latency", "200ms")
+            _sh(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                "200ms",
+            )
 
 
 def _link_worker(args: argparse.Namespace) -> None:
@@ -326,8 +398,13 @@ def _link_worker(args: argparse.Namespace) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = _VETH[rank]
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://{_ADDRESSES[0]}:{args.link_port}", rank=rank,
-                            world_size=world, timeout=timedelta(minutes=5))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{_ADDRESSES[0]}:{args.link_port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=5),
+    )
     # Bandwidth actually delivered by the shaped link: 8 MiB each way, both directions at once (as in a ring).
     probe = torch.zeros(2 * 2**20)
     dist.all_reduce(probe)
@@ -344,15 +421,23 @@ def _link_worker(args: argparse.Namespace) -> None:
     runs = {}
     for name, codec in LINK_RUNS.items():
         torch.manual_seed(0)
-        model = VisionLanguageModel(build_config("tiny", vocab_size=dm.vocab_size, patch_size=16,
-                                                 max_patches_per_image=48))
+        model = VisionLanguageModel(
+            build_config("tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=48)
+        )
         ddp = DistributedDataParallel(model)
         state = None
         if codec is not None:
             state = GradCompressionState(CodecConfig(min_numel=args.min_numel, **codec))
             register_ddp_compression(ddp, state)
-        runs[name] = {"ddp": ddp, "state": state, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
-                      "times": [], "codec": [], "before": [], "after": []}
+        runs[name] = {
+            "ddp": ddp,
+            "state": state,
+            "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
+            "times": [],
+            "codec": [],
+            "before": [],
+            "after": [],
+        }
     # Round-robin over the codecs (a few steps each per round), so load drift of this shared machine hits them alike.
     per_round = 3
     for round_start in range(0, len(batches), per_round):
@@ -379,8 +464,11 @@ def _link_worker(args: argparse.Namespace) -> None:
     for name, run in runs.items():
         row = {"step_seconds_median": statistics.median(run["times"]), "steps": len(run["times"])}
         if run["state"] is not None:
-            row.update(bytes_before=statistics.median(run["before"]), bytes_after=statistics.median(run["after"]),
-                       codec_seconds=statistics.median(run["codec"]))
+            row.update(
+                bytes_before=statistics.median(run["before"]),
+                bytes_after=statistics.median(run["after"]),
+                codec_seconds=statistics.median(run["codec"]),
+            )
         results[name] = row
     if rank == 0:
         Path(args.link_output).write_text(json.dumps({"link_bytes_per_s": link_bytes_per_s, "runs": results}))
@@ -400,12 +488,34 @@ def part3(args: argparse.Namespace) -> dict[str, Any]:
             with tempfile.TemporaryDirectory() as tmp:
                 output = Path(tmp) / "link.json"
                 port = 29400 + len(measured)
-                workers = [subprocess.Popen(
-                    ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), "--link-worker", str(rank),
-                     "--link-port", str(port), "--link-output", str(output), "--link-steps", str(args.link_steps),
-                     "--min-numel", str(args.min_numel), "--rows-per-batch", str(args.rows_per_batch)],
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                ) for rank, ns in enumerate(_NAMESPACES)]
+                workers = [
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            ns,
+                            sys.executable,
+                            os.path.abspath(__file__),
+                            "--link-worker",
+                            str(rank),
+                            "--link-port",
+                            str(port),
+                            "--link-output",
+                            str(output),
+                            "--link-steps",
+                            str(args.link_steps),
+                            "--min-numel",
+                            str(args.min_numel),
+                            "--rows-per-batch",
+                            str(args.rows_per_batch),
+                        ],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                    )
+                    for rank, ns in enumerate(_NAMESPACES)
+                ]
                 logs = [w.communicate(timeout=900)[0] for w in workers]
                 if any(w.returncode for w in workers) or not output.exists():
                     raise RuntimeError(f"link worker failed at {rate}:\n" + "\n".join(log[-3000:] for log in logs))
@@ -423,22 +533,30 @@ def _link_table(measured: dict[str, Any]) -> dict[str, Any]:
         base = result["runs"]["uncompressed"]["step_seconds_median"]
         bandwidth = result["link_bytes_per_s"]
         for name, run in result["runs"].items():
-            row = {"rate": rate, "run": name, "link_gbit_s": 8e-9 * bandwidth,
-                   "step_seconds_median": run["step_seconds_median"],
-                   "saving_seconds": base - run["step_seconds_median"]}
+            row = {
+                "rate": rate,
+                "run": name,
+                "link_gbit_s": 8e-9 * bandwidth,
+                "step_seconds_median": run["step_seconds_median"],
+                "saving_seconds": base - run["step_seconds_median"],
+            }
             if "bytes_after" in run:
-                row["predicted_saving_seconds"] = (run["bytes_before"] - run["bytes_after"]) / bandwidth \
-                    - run["codec_seconds"]
-                row["predicted_break_even_gbit_s"] = 8e-9 * (run["bytes_before"] - run["bytes_after"]) \
-                    / run["codec_seconds"]
+                row["predicted_saving_seconds"] = (run["bytes_before"] - run["bytes_after"]) / bandwidth - run[
+                    "codec_seconds"
+                ]
+                row["predicted_break_even_gbit_s"] = (
+                    8e-9 * (run["bytes_before"] - run["bytes_after"]) / run["codec_seconds"]
+                )
                 row.update({k: run[k] for k in ("bytes_before", "bytes_after", "codec_seconds")})
             rows.append(row)
     print(f"{'link':>9} {'Gbit/s':>7} {'run':30} {'s/step':>7} {'saved s':>8} {'predicted':>9} {'B* Gbit/s':>10}")
     for row in rows:
         predicted = row.get("predicted_saving_seconds")
-        print(f"{row['rate']:>9} {row['link_gbit_s']:7.3f} {row['run']:30} {row['step_seconds_median']:7.3f} "
-              f"{row['saving_seconds']:+8.3f} {'' if predicted is None else f'{predicted:+9.3f}':>9} "
-              f"{row.get('predicted_break_even_gbit_s', float('nan')):10.3f}")
+        print(
+            f"{row['rate']:>9} {row['link_gbit_s']:7.3f} {row['run']:30} {row['step_seconds_median']:7.3f} "
+            f"{row['saving_seconds']:+8.3f} {'' if predicted is None else f'{predicted:+9.3f}':>9} "
+            f"{row.get('predicted_break_even_gbit_s', float('nan')):10.3f}"
+        )
     # Measured break-even per codec: saving(B) = a / B - c fitted over the rates (least squares in 1 / B).
     break_even = {}
     for name in LINK_RUNS:
@@ -450,16 +568,25 @@ def _link_table(measured: dict[str, Any]) -> dict[str, Any]:
         slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
         intercept = mean_y - slope * mean_x  # -c
         break_even[name] = 8e-9 * slope / -intercept if intercept < 0 and slope > 0 else None
-    print("measured break-even (fit of saving = a / B - c):",
-          {k: (None if v is None else round(v, 3)) for k, v in break_even.items()}, "Gbit/s")
+    print(
+        "measured break-even (fit of saving = a / B - c):",
+        {k: (None if v is None else round(v, 3)) for k, v in break_even.items()},
+        "Gbit/s",
+    )
     return {"measured": measured, "rows": rows, "measured_break_even_gbit_s": break_even}
 
 
 def machine() -> dict[str, Any]:
     """What the results were measured on (stored with them)."""
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "lightning": L.__version__,
-            "lightning_mm": getattr(lightning_mm, "__version__", None)}
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+        "lightning_mm": getattr(lightning_mm, "__version__", None),
+    }
 
 
 def main() -> None:
@@ -471,17 +598,28 @@ def main() -> None:
     # 8 rows: the validation split then has an even number of batches (16), so no rank gets an all-padding filler
     # batch and both ranks score real pairs.
     parser.add_argument("--rows-per-batch", type=int, default=8, help="packed rows per batch and rank (96 slots)")
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                        help="part 2: the reference AdamW, or SGD + momentum 0.9 (diagnostic; results under a "
-                             "separate key)")
+    parser.add_argument(
+        "--optimizer",
+        choices=["adamw", "sgd"],
+        default="adamw",
+        help="part 2: the reference AdamW, or SGD + momentum 0.9 (diagnostic; results under a separate key)",
+    )
     parser.add_argument("--learning-rate", type=float, default=None, help="peak learning rate (adamw 2e-3, sgd 0.1)")
     parser.add_argument("--warmup-steps", type=int, default=30, help="learning-rate warm-up")
-    parser.add_argument("--warmup-compression", type=int, default=5,
-                        help="steps left out of the per-step compression medians (allocator warm-up)")
+    parser.add_argument(
+        "--warmup-compression",
+        type=int,
+        default=5,
+        help="steps left out of the per-step compression medians (allocator warm-up)",
+    )
     parser.add_argument("--min-numel", type=int, default=1024, help="tensors under this many elements go raw")
     parser.add_argument("--repeats", type=int, default=3, help="codec timing repeats (part 1)")
-    parser.add_argument("--link-rates", nargs="+", default=["unshaped", "1gbit", "100mbit"],
-                        help="tc tbf rates of part 3 ('unshaped' = no qdisc)")
+    parser.add_argument(
+        "--link-rates",
+        nargs="+",
+        default=["unshaped", "1gbit", "100mbit"],
+        help="tc tbf rates of part 3 ('unshaped' = no qdisc)",
+    )
     parser.add_argument("--link-steps", type=int, default=30, help="steps per codec and rate (part 3)")
     parser.add_argument("--output", default="benchmarks/results/compression.json")
     # internal: one rank of part 3, started inside a network namespace

@@ -101,10 +101,12 @@ class FrozenVarianceModule(VLMModule):
     def configure_optimizers(self):
         config = super().configure_optimizers()
         adamw = config["optimizer"]
-        frozen = FrozenVarianceAdamW(adamw.param_groups, FREEZE_AT, lr=self.hparams.learning_rate,
-                                     betas=adamw.defaults["betas"])
+        frozen = FrozenVarianceAdamW(
+            adamw.param_groups, FREEZE_AT, lr=self.hparams.learning_rate, betas=adamw.defaults["betas"]
+        )
         config["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(
-            frozen, config["lr_scheduler"]["scheduler"].lr_lambdas[0])
+            frozen, config["lr_scheduler"]["scheduler"].lr_lambdas[0]
+        )
         config["optimizer"] = frozen
         return config
 
@@ -135,8 +137,12 @@ class GradientOracle(L.Callback):
 
             def sparsify(done: torch.futures.Future) -> torch.Tensor:
                 grads = done.value()[0].split([p.numel() for p in params])
-                return torch.cat([_sparsify_with_feedback(names[id(p)], g, self.config, self.feedback)
-                                  for p, g in zip(params, grads, strict=True)])
+                return torch.cat(
+                    [
+                        _sparsify_with_feedback(names[id(p)], g, self.config, self.feedback)
+                        for p, g in zip(params, grads, strict=True)
+                    ]
+                )
 
             return future.then(sparsify)
 
@@ -170,18 +176,27 @@ class UpdateCompression(L.Callback):
         changes = [p - self.before[name] for name, p in named]
         if self.exchange:
             flat = [c.reshape(-1) for c in changes]
-            residuals, gather = self.state.all_reduce_residuals([name for name, _ in named],
-                                                                [c.numel() for c in flat], dist.get_world_size(),
-                                                                flat[0].device)
+            residuals, gather = self.state.all_reduce_residuals(
+                [name for name, _ in named], [c.numel() for c in flat], dist.get_world_size(), flat[0].device
+            )
             stats = self.state.stats
             stats.reset()
             changes = compressed_all_reduce_coalesced(flat, self.config, None, "avg", residuals, gather, stats)
-            pl_module.log_dict({"compression/bytes_before": float(stats.bytes_before),
-                                "compression/bytes_after": float(stats.bytes_after),
-                                "compression/ratio": stats.ratio}, on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log_dict(
+                {
+                    "compression/bytes_before": float(stats.bytes_before),
+                    "compression/bytes_after": float(stats.bytes_after),
+                    "compression/ratio": stats.ratio,
+                },
+                on_step=True,
+                on_epoch=False,
+                batch_size=1,
+            )
         else:
-            changes = [_sparsify_with_feedback(name, c, self.config, self.state.feedback)
-                       for (name, _), c in zip(named, changes, strict=True)]
+            changes = [
+                _sparsify_with_feedback(name, c, self.config, self.state.feedback)
+                for (name, _), c in zip(named, changes, strict=True)
+            ]
         for (name, p), change in zip(named, changes, strict=True):
             p.copy_(self.before[name] + change.view_as(p))
 

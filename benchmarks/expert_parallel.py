@@ -63,9 +63,14 @@ def _samples(count: int, seed: int = 7) -> list[PatchedSample]:
     for i in range(count):
         n = 0 if i % 5 == 4 else int(torch.randint(1, 20, (1,), generator=gen))
         length = int(torch.randint(3, 14, (1,), generator=gen))
-        samples.append(PatchedSample(sample_id=i, patches=torch.rand(n, 3 * 16 * 16, generator=gen) * 2 - 1,
-                                     patch_pos=torch.randint(0, 6, (n, 2), generator=gen),
-                                     tokens=torch.randint(4, 512, (length,), generator=gen)))
+        samples.append(
+            PatchedSample(
+                sample_id=i,
+                patches=torch.rand(n, 3 * 16 * 16, generator=gen) * 2 - 1,
+                patch_pos=torch.randint(0, 6, (n, 2), generator=gen),
+                tokens=torch.randint(4, 512, (length,), generator=gen),
+            )
+        )
     return samples
 
 
@@ -84,17 +89,25 @@ class StepTraffic(L.Callback):
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         stats = ep_lib.STATS
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (stats.total_calls, dict(stats.calls), stats.payload_bytes,
-                                          stats.metadata_bytes, dict(stats.pairs)))
+        dist.all_gather_object(
+            gathered,
+            (stats.total_calls, dict(stats.calls), stats.payload_bytes, stats.metadata_bytes, dict(stats.pairs)),
+        )
         pairs: dict = {}
         for *_, rank_pairs in gathered:
             for pair, count in rank_pairs.items():
                 pairs[pair] = pairs.get(pair, 0) + count
-        self.steps.append({
-            "calls_per_rank": gathered[0][0], "calls_by_kind": gathered[0][1],
-            "payload_bytes": sum(g[2] for g in gathered), "metadata_bytes": sum(g[3] for g in gathered),
-            "participants": sum(pairs.values()), "distinct_pairs": len(pairs), "step_seconds": float(seconds),
-        })
+        self.steps.append(
+            {
+                "calls_per_rank": gathered[0][0],
+                "calls_by_kind": gathered[0][1],
+                "payload_bytes": sum(g[2] for g in gathered),
+                "metadata_bytes": sum(g[3] for g in gathered),
+                "participants": sum(pairs.values()),
+                "distinct_pairs": len(pairs),
+                "step_seconds": float(seconds),
+            }
+        )
 
 
 def _fit(rank: int, world: int, ep: int, overrides: dict, placement: str, args: argparse.Namespace) -> dict:
@@ -102,27 +115,43 @@ def _fit(rank: int, world: int, ep: int, overrides: dict, placement: str, args: 
     module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3, model_overrides=overrides or None)
     per_rank = args.global_batch // world
     samples = _samples(args.global_batch * args.steps)
-    batches = [collate_one_per_row(samples[s + rank * per_rank: s + (rank + 1) * per_rank], pad_id=0)
-               for s in range(0, len(samples), args.global_batch)]
+    batches = [
+        collate_one_per_row(samples[s + rank * per_rank : s + (rank + 1) * per_rank], pad_id=0)
+        for s in range(0, len(samples), args.global_batch)
+    ]
     traffic = StepTraffic()
-    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=args.steps, logger=False,
-                        strategy=HybridParallelStrategy(expert_parallel=ep, expert_placement=placement),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                        callbacks=[traffic])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=args.steps,
+        logger=False,
+        strategy=HybridParallelStrategy(expert_parallel=ep, expert_placement=placement),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=[traffic],
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     steps = traffic.steps[1:] or traffic.steps  # the first step warms up (lazy init, caches)
     keys = ("calls_per_rank", "participants", "distinct_pairs", "payload_bytes", "metadata_bytes")
-    return {**{k: statistics.mean(s[k] for s in steps) for k in keys},
-            "calls_by_kind": steps[-1]["calls_by_kind"],
-            "step_seconds_median": statistics.median(s["step_seconds"] for s in steps),
-            "steps": traffic.steps}
+    return {
+        **{k: statistics.mean(s[k] for s in steps) for k in keys},
+        "calls_by_kind": steps[-1]["calls_by_kind"],
+        "step_seconds_median": statistics.median(s["step_seconds"] for s in steps),
+        "steps": traffic.steps,
+    }
 
 
 def _rank_jobs(rank: int, world: int, jobs: list, args: argparse.Namespace) -> dict:
     warnings.filterwarnings("ignore")
-    return {f"{name}/{placement}": _fit(rank, world, ep, overrides, placement, args)
-            for name, ep, overrides in jobs for placement in PLACEMENTS}
+    return {
+        f"{name}/{placement}": _fit(rank, world, ep, overrides, placement, args)
+        for name, ep, overrides in jobs
+        for placement in PLACEMENTS
+    }
 
 
 def _spawn(world: int, jobs: list, args: argparse.Namespace) -> dict:
@@ -143,24 +172,46 @@ def main() -> None:
     for world in sorted({CONFIGS[n][0] for n in names}):
         jobs = [(n, CONFIGS[n][1], CONFIGS[n][2]) for n in names if CONFIGS[n][0] == world]
         rows.update(_spawn(world, jobs, args))
-    header = (f"{'config/placement':<22} {'calls/rank':>10} {'participants':>12} {'pairs':>6} {'payload B':>10} "
-              f"{'metadata B':>10} {'step s':>7}")
+    header = (
+        f"{'config/placement':<22} {'calls/rank':>10} {'participants':>12} {'pairs':>6} {'payload B':>10} "
+        f"{'metadata B':>10} {'step s':>7}"
+    )
     print("EP all-to-all per training step (mean over steps 2..; forward + backward; bytes summed over ranks)")
     print(header)
     for key, row in rows.items():
-        print(f"{key:<22} {row['calls_per_rank']:>10.0f} {row['participants']:>12.1f} {row['distinct_pairs']:>6.1f} "
-              f"{row['payload_bytes']:>10.0f} {row['metadata_bytes']:>10.0f} {row['step_seconds_median']:>7.3f}")
+        print(
+            f"{key:<22} {row['calls_per_rank']:>10.0f} {row['participants']:>12.1f} {row['distinct_pairs']:>6.1f} "
+            f"{row['payload_bytes']:>10.0f} {row['metadata_bytes']:>10.0f} {row['step_seconds_median']:>7.3f}"
+        )
     RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps({
-        "description": __doc__.split("\n\n")[0].strip(),
-        "settings": {"steps": args.steps, "global_batch": args.global_batch, "preset": "tiny",
-                     "configs": {n: {"world": CONFIGS[n][0], "ep": CONFIGS[n][1], "overrides": CONFIGS[n][2]}
-                                 for n in names}},
-        "environment": {"torch": torch.__version__, "lightning": L.__version__, "python": platform.python_version(),
-                        "backend": "gloo", "cpus": os.cpu_count()},
-        "results": {k: {key: v for key, v in row.items() if key != "steps"} | {"per_step": row["steps"]}
-                    for k, row in rows.items()},
-    }, indent=2, default=str))
+    RESULT.write_text(
+        json.dumps(
+            {
+                "description": __doc__.split("\n\n")[0].strip(),
+                "settings": {
+                    "steps": args.steps,
+                    "global_batch": args.global_batch,
+                    "preset": "tiny",
+                    "configs": {
+                        n: {"world": CONFIGS[n][0], "ep": CONFIGS[n][1], "overrides": CONFIGS[n][2]} for n in names
+                    },
+                },
+                "environment": {
+                    "torch": torch.__version__,
+                    "lightning": L.__version__,
+                    "python": platform.python_version(),
+                    "backend": "gloo",
+                    "cpus": os.cpu_count(),
+                },
+                "results": {
+                    k: {key: v for key, v in row.items() if key != "steps"} | {"per_step": row["steps"]}
+                    for k, row in rows.items()
+                },
+            },
+            indent=2,
+            default=str,
+        )
+    )
     print(f"wrote {RESULT.relative_to(ROOT)}")
 
 

@@ -131,23 +131,26 @@ def environment() -> dict:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         nccl = torch.cuda.nccl.version() if dist.is_nccl_available() else None
-        env.update({
-            "cudnn": torch.backends.cudnn.version(),
-            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
-            "device_count": torch.cuda.device_count(),
-            "device_name": props.name,
-            "device_capability": f"{props.major}.{props.minor}",
-            "device_total_memory_bytes": props.total_memory,
-            "device_multiprocessors": props.multi_processor_count,
-            "sdpa_flash_enabled": torch.backends.cuda.flash_sdp_enabled(),
-            "sdpa_mem_efficient_enabled": torch.backends.cuda.mem_efficient_sdp_enabled(),
-            "sdpa_cudnn_enabled": torch.backends.cuda.cudnn_sdp_enabled(),
-        })
+        env.update(
+            {
+                "cudnn": torch.backends.cudnn.version(),
+                "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+                "device_count": torch.cuda.device_count(),
+                "device_name": props.name,
+                "device_capability": f"{props.major}.{props.minor}",
+                "device_total_memory_bytes": props.total_memory,
+                "device_multiprocessors": props.multi_processor_count,
+                "sdpa_flash_enabled": torch.backends.cuda.flash_sdp_enabled(),
+                "sdpa_mem_efficient_enabled": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                "sdpa_cudnn_enabled": torch.backends.cuda.cudnn_sdp_enabled(),
+            }
+        )
     query = "name,driver_version,memory.total,power.limit,clocks.max.sm,pstate,temperature.gpu"
     smi = _run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"])
     if smi:
-        env["nvidia_smi"] = [dict(zip(query.split(","), (v.strip() for v in line.split(",")), strict=False))
-                             for line in smi.splitlines()]
+        env["nvidia_smi"] = [
+            dict(zip(query.split(","), (v.strip() for v in line.split(",")), strict=False)) for line in smi.splitlines()
+        ]
     return env
 
 
@@ -173,7 +176,7 @@ def nccl_check(device: torch.device) -> dict:
         "backend": backend,
         "world_size": 1,
         "note": "one GPU can only form a world-size-1 group: this checks NCCL init, communicator creation and "
-                "collective kernels, not inter-GPU transport (NVLink / InfiniBand)",
+        "collective kernels, not inter-GPU transport (NVLink / InfiniBand)",
         "checks": {},
     }
     if backend == "nccl" and not dist.is_nccl_available():
@@ -197,8 +200,11 @@ def nccl_check(device: torch.device) -> dict:
                 err = fn()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                result["checks"][name] = {"passed": err == 0.0, "max_abs_error": err,
-                                          "seconds": time.perf_counter() - t0}
+                result["checks"][name] = {
+                    "passed": err == 0.0,
+                    "max_abs_error": err,
+                    "seconds": time.perf_counter() - t0,
+                }
             except Exception as exc:  # every failure is a result here
                 result["checks"][name] = {"passed": False, "error": f"{type(exc).__name__}: {exc}"}
 
@@ -266,7 +272,9 @@ class BatchGeometry:
         tokens = (batch.token_segment.cpu()[..., None] == slots).sum(dim=1)
         used = batch.sample_ids.cpu() >= 0
         return cls(
-            rows=batch.num_rows, patch_slots=batch.patches.shape[1], token_slots=batch.tokens.shape[1],
+            rows=batch.num_rows,
+            patch_slots=batch.patches.shape[1],
+            token_slots=batch.tokens.shape[1],
             segment_slots=batch.segment_slots,
             samples=list(zip(patches[used].tolist(), tokens[used].tolist(), strict=True)),
         )
@@ -359,12 +367,22 @@ def step_flops(config, geo: BatchGeometry) -> list[tuple[str, float, float]]:
     n = len(geo.samples)
     n_pairs = sum(1 for p, _ in geo.samples if p)
     real = {
-        "p": geo.real_patches, "t": geo.real_tokens, "pp": sum(p * p for p, _ in geo.samples),
-        "tt": sum(t * t for _, t in geo.samples), "tp": sum(t * p for p, t in geo.samples), "n": n,
+        "p": geo.real_patches,
+        "t": geo.real_tokens,
+        "pp": sum(p * p for p, _ in geo.samples),
+        "tt": sum(t * t for _, t in geo.samples),
+        "tp": sum(t * p for p, t in geo.samples),
+        "n": n,
     }
     r, np_, t_ = geo.rows, geo.patch_slots, geo.token_slots
-    slots = {"p": r * np_, "t": r * t_, "pp": r * np_ * np_, "tt": r * t_ * t_, "tp": r * t_ * np_,
-             "n": r * geo.segment_slots}
+    slots = {
+        "p": r * np_,
+        "t": r * t_,
+        "pp": r * np_ * np_,
+        "tt": r * t_ * t_,
+        "tp": r * t_ * np_,
+        "n": r * geo.segment_slots,
+    }
 
     def components(x: dict[str, int], expert_p: int, expert_t: int) -> dict[str, float]:
         return {
@@ -378,8 +396,8 @@ def step_flops(config, geo: BatchGeometry) -> list[tuple[str, float, float]]:
             "fusion.self_attention": 12 * lf * dt * x["tt"],
             "fusion.cross_attention": 12 * lf * dt * x["tp"],
             "fusion.text_experts": 6 * lf * (2 * dt * he + dt * c.text_experts) * expert_t,
-            "fusion.media_experts": (6 * (lf - 1) + 2) * 2 * dt * he * expert_p + 6 * lf * dt * c.vision_experts
-            * expert_p,
+            "fusion.media_experts": (6 * (lf - 1) + 2) * 2 * dt * he * expert_p
+            + 6 * lf * dt * c.vision_experts * expert_p,
             "lm_head": 6 * dt * c.vocab_size * x["t"],
             "pooling_heads+contrastive": 6 * (dv + dt) * c.embed_dim * x["n"] + 12 * n_pairs**2 * c.embed_dim,
         }
@@ -403,8 +421,10 @@ def measured_flops(counter, rows: list[tuple[str, float, float]]) -> dict:
     analytic_other = sum(e for name, _, e in rows if not name.endswith("attention"))
     other = sum(ops.values()) - attention
     return {
-        "by_op": ops, "total": sum(ops.values()),
-        "attention": attention, "other": other,
+        "by_op": ops,
+        "total": sum(ops.values()),
+        "attention": attention,
+        "other": other,
         "attention_ratio_to_analytic_executed": attention / analytic_attention if analytic_attention else None,
         "other_ratio_to_analytic_executed": other / analytic_other if analytic_other else None,
     }
@@ -420,16 +440,28 @@ def flops_table(rows: list[tuple[str, float, float]], measured: dict | None = No
     if measured is not None:
         for part in ("attention", "other"):
             ratio = measured[f"{part}_ratio_to_analytic_executed"]
-            lines.append(f"{'FlopCounterMode ' + part:28} {'':14} {'':7} {measured[part] / 1e9:15.2f}"
-                         f"   (measured / analytic executed = {ratio:.3f})" if ratio else "")
+            lines.append(
+                f"{'FlopCounterMode ' + part:28} {'':14} {'':7} {measured[part] / 1e9:15.2f}"
+                f"   (measured / analytic executed = {ratio:.3f})"
+                if ratio
+                else ""
+            )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ batch
 
 
-def synthetic_batch(config, rows: int, patches_per_row: int, tokens_per_row: int, image_side: tuple[int, int],
-                    caption_tokens: tuple[int, int], missing_image_every: int, seed: int):
+def synthetic_batch(
+    config,
+    rows: int,
+    patches_per_row: int,
+    tokens_per_row: int,
+    image_side: tuple[int, int],
+    caption_tokens: tuple[int, int],
+    missing_image_every: int,
+    seed: int,
+):
     """One packed batch of ``rows`` rows: random image grids and captions packed by ``pack_rows``."""
     from lightning_mm.datamodules.regroup import collate_packed, pack_rows
     from lightning_mm.datamodules.stages import PatchedSample
@@ -437,8 +469,10 @@ def synthetic_batch(config, rows: int, patches_per_row: int, tokens_per_row: int
     lo_side, hi_side = image_side
     lo_tok, hi_tok = caption_tokens
     if not 1 <= lo_side <= hi_side or hi_side > config.max_patches_per_image or hi_side**2 > patches_per_row:
-        raise SystemExit(f"--image-side {lo_side} {hi_side}: need 1 <= min <= max, max <= max_patches_per_image="
-                         f"{config.max_patches_per_image} and max^2 <= --patches-per-row={patches_per_row}")
+        raise SystemExit(
+            f"--image-side {lo_side} {hi_side}: need 1 <= min <= max, max <= max_patches_per_image="
+            f"{config.max_patches_per_image} and max^2 <= --patches-per-row={patches_per_row}"
+        )
     if not 2 <= lo_tok <= hi_tok <= tokens_per_row:
         raise SystemExit(f"--caption-tokens {lo_tok} {hi_tok}: need 2 <= min <= max <= --tokens-per-row")
     gen = torch.Generator().manual_seed(seed)
@@ -447,15 +481,17 @@ def synthetic_batch(config, rows: int, patches_per_row: int, tokens_per_row: int
     def samples():
         for i in range(1_000_000):
             missing = missing_image_every and i % missing_image_every == missing_image_every - 1
-            h, w = (0, 0) if missing else (int(torch.randint(lo_side, hi_side + 1, (1,), generator=gen))
-                                           for _ in range(2))
+            h, w = (
+                (0, 0) if missing else (int(torch.randint(lo_side, hi_side + 1, (1,), generator=gen)) for _ in range(2))
+            )
             grid = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 2)
             yield PatchedSample(
                 sample_id=i,
                 patches=torch.rand(h * w, patch_dim, generator=gen) * 2 - 1,
                 patch_pos=grid,
-                tokens=torch.randint(4, config.vocab_size, (int(torch.randint(lo_tok, hi_tok + 1, (1,),
-                                                                              generator=gen)),), generator=gen),
+                tokens=torch.randint(
+                    4, config.vocab_size, (int(torch.randint(lo_tok, hi_tok + 1, (1,), generator=gen)),), generator=gen
+                ),
             )
 
     mean_p, mean_t = ((lo_side + hi_side) / 2) ** 2, (lo_tok + hi_tok) / 2
@@ -561,8 +597,12 @@ def train_check(args: argparse.Namespace, device: torch.device, report: dict, sa
 
     config = build_config(args.preset)
     deadline = START + args.max_seconds
-    train: dict = {"preset": args.preset, "precision": args.precision, "device": str(device),
-                   "optimizer": "AdamW(fused=True)" if device.type == "cuda" else "AdamW(foreach)"}
+    train: dict = {
+        "preset": args.preset,
+        "precision": args.precision,
+        "device": str(device),
+        "optimizer": "AdamW(fused=True)" if device.type == "cuda" else "AdamW(foreach)",
+    }
     report["train"] = train
     peak, peak_source = peak_flops(report["environment"].get("device_name"), args.peak_tflops)
     if device.type != "cuda" and args.peak_tflops is None:
@@ -574,13 +614,23 @@ def train_check(args: argparse.Namespace, device: torch.device, report: dict, sa
     _sync(device)
     train["build_seconds"] = time.perf_counter() - t0
     train["parameters"] = sum(p.numel() for p in trainer.model.parameters())
-    train["matmul_parameters"] = {"analytic": sum(matmul_params(config).values()),
-                                  "counted": counted_matmul_params(trainer.model)}
+    train["matmul_parameters"] = {
+        "analytic": sum(matmul_params(config).values()),
+        "counted": counted_matmul_params(trainer.model),
+    }
 
     rows = args.rows
     while True:
-        batch = synthetic_batch(config, rows, args.patches_per_row, args.tokens_per_row, tuple(args.image_side),
-                                tuple(args.caption_tokens), args.missing_image_every, args.seed).to(device)
+        batch = synthetic_batch(
+            config,
+            rows,
+            args.patches_per_row,
+            args.tokens_per_row,
+            tuple(args.image_side),
+            tuple(args.caption_tokens),
+            args.missing_image_every,
+            args.seed,
+        ).to(device)
         geo = BatchGeometry.from_batch(batch)
         oom = None
         try:
@@ -615,17 +665,23 @@ def train_check(args: argparse.Namespace, device: torch.device, report: dict, sa
         rows //= 2
 
     flops = step_flops(config, geo)
-    train.update({
-        "rows": rows, "patches_per_row": args.patches_per_row, "tokens_per_row": args.tokens_per_row,
-        "samples_per_step": len(geo.samples), "real_patches_per_step": geo.real_patches,
-        "real_tokens_per_step": geo.real_tokens, "segment_slots": geo.segment_slots,
-        "padding_fraction": 1 - (geo.real_patches + geo.real_tokens) / geo.slot_tokens,
-        "warmup_seconds": warm_times,
-        "flops_per_step": {name: {"model": m, "executed": e} for name, m, e in flops},
-        "model_flops_per_step": sum(m for _, m, _ in flops),
-        "executed_flops_per_step": sum(e for _, _, e in flops),
-        "flop_counter_mode": measured_flops(counter, flops),
-    })
+    train.update(
+        {
+            "rows": rows,
+            "patches_per_row": args.patches_per_row,
+            "tokens_per_row": args.tokens_per_row,
+            "samples_per_step": len(geo.samples),
+            "real_patches_per_step": geo.real_patches,
+            "real_tokens_per_step": geo.real_tokens,
+            "segment_slots": geo.segment_slots,
+            "padding_fraction": 1 - (geo.real_patches + geo.real_tokens) / geo.slot_tokens,
+            "warmup_seconds": warm_times,
+            "flops_per_step": {name: {"model": m, "executed": e} for name, m, e in flops},
+            "model_flops_per_step": sum(m for _, m, _ in flops),
+            "executed_flops_per_step": sum(e for _, _, e in flops),
+            "flop_counter_mode": measured_flops(counter, flops),
+        }
+    )
     save()
 
     if device.type == "cuda":
@@ -677,36 +733,59 @@ def train_check(args: argparse.Namespace, device: torch.device, report: dict, sa
 def print_summary(report: dict) -> None:
     env = report["environment"]
     print("\n== environment")
-    for key in ("python", "torch", "torch_cuda", "cudnn", "nccl", "lightning", "device_name",
-                "device_total_memory_bytes", "git_commit"):
+    for key in (
+        "python",
+        "torch",
+        "torch_cuda",
+        "cudnn",
+        "nccl",
+        "lightning",
+        "device_name",
+        "device_total_memory_bytes",
+        "git_commit",
+    ):
         if key in env:
             print(f"  {key:26} {env[key]}")
     if env.get("nvidia_smi"):
         print(f"  {'driver':26} {env['nvidia_smi'][0].get('driver_version')}")
     if "nccl" in report:
         nccl = report["nccl"]
-        print(f"\n== {nccl['backend']} world_size=1: {'PASS' if nccl.get('passed') else 'FAIL'}"
-              f"{'  ' + nccl['error'] if 'error' in nccl else ''}")
+        print(
+            f"\n== {nccl['backend']} world_size=1: {'PASS' if nccl.get('passed') else 'FAIL'}"
+            f"{'  ' + nccl['error'] if 'error' in nccl else ''}"
+        )
         for name, check in nccl["checks"].items():
             print(f"  {name:40} {'pass' if check['passed'] else 'FAIL ' + check.get('error', '')}")
     train = report.get("train", {})
     if train.get("step_seconds_median"):
         gib = train.get("max_memory_allocated_bytes", train.get("cpu_max_rss_bytes", 0)) / 2**30
         mem = "peak allocated" if "max_memory_allocated_bytes" in train else "max RSS"
-        print(f"\n== train {train['preset']} {train['precision']} on {train['device']}, rows={train['rows']} "
-              f"x ({train['patches_per_row']} patches + {train['tokens_per_row']} tokens), "
-              f"{train['samples_per_step']} samples/step, padding {100 * train['padding_fraction']:.1f}%")
+        print(
+            f"\n== train {train['preset']} {train['precision']} on {train['device']}, rows={train['rows']} "
+            f"x ({train['patches_per_row']} patches + {train['tokens_per_row']} tokens), "
+            f"{train['samples_per_step']} samples/step, padding {100 * train['padding_fraction']:.1f}%"
+        )
         lines = [
             ("parameters", f"{train['parameters'] / 1e6:.1f} M"),
-            ("step time (median)", f"{train['step_seconds_median'] * 1e3:.1f} ms over {train['steps_timed']} steps"
-             + (" (stopped early: --max-seconds)" if train["stopped_early"] else "")),
+            (
+                "step time (median)",
+                f"{train['step_seconds_median'] * 1e3:.1f} ms over {train['steps_timed']} steps"
+                + (" (stopped early: --max-seconds)" if train["stopped_early"] else ""),
+            ),
             ("tokens/s (slots)", f"{train['slot_tokens_per_s']:,.0f}"),
             ("tokens/s (real)", f"{train['real_tokens_per_s']:,.0f}"),
             ("model TFLOP/s", f"{train['model_tflops_per_s']:.2f}"),
-            ("MFU", f"{100 * train['mfu']:.1f}% (peak {train['peak_flops'] / 1e12:.0f} TFLOP/s: "
-                    f"{train['peak_flops_source']})" if "mfu" in train else f"n/a ({train['peak_flops_source']})"),
-            ("executed FLOPs utilization", f"{100 * train['executed_flops_utilization']:.1f}%"
-             if "executed_flops_utilization" in train else "n/a"),
+            (
+                "MFU",
+                f"{100 * train['mfu']:.1f}% (peak {train['peak_flops'] / 1e12:.0f} TFLOP/s: "
+                f"{train['peak_flops_source']})"
+                if "mfu" in train
+                else f"n/a ({train['peak_flops_source']})",
+            ),
+            (
+                "executed FLOPs utilization",
+                f"{100 * train['executed_flops_utilization']:.1f}%" if "executed_flops_utilization" in train else "n/a",
+            ),
             (mem, f"{gib:.2f} GiB"),
             ("loss first -> last", f"{train['first_loss']:.4f} -> {train['last_loss']:.4f}"),
         ]
@@ -715,8 +794,10 @@ def print_summary(report: dict) -> None:
     comp = report.get("compile")
     if comp:
         if comp.get("step_seconds_median"):
-            print(f"\n== torch.compile: compile+warm-up {comp['compile_and_warmup_seconds']:.1f} s, median step "
-                  f"{comp['step_seconds_median'] * 1e3:.1f} ms, speedup {comp.get('speedup_vs_eager', 0):.2f}x")
+            print(
+                f"\n== torch.compile: compile+warm-up {comp['compile_and_warmup_seconds']:.1f} s, median step "
+                f"{comp['step_seconds_median'] * 1e3:.1f} ms, speedup {comp.get('speedup_vs_eager', 0):.2f}x"
+            )
         else:
             print(f"\n== torch.compile: {comp.get('skipped') or comp.get('error')}")
 
@@ -730,15 +811,27 @@ def dry_run(args: argparse.Namespace) -> int:
         model = VisionLanguageModel(config)
     params = sum(p.numel() for p in model.parameters())
     analytic, counted = sum(matmul_params(config).values()), counted_matmul_params(model)
-    batch = synthetic_batch(config, args.rows, args.patches_per_row, args.tokens_per_row, tuple(args.image_side),
-                            tuple(args.caption_tokens), args.missing_image_every, args.seed)
+    batch = synthetic_batch(
+        config,
+        args.rows,
+        args.patches_per_row,
+        args.tokens_per_row,
+        tuple(args.image_side),
+        tuple(args.caption_tokens),
+        args.missing_image_every,
+        args.seed,
+    )
     geo = BatchGeometry.from_batch(batch)
-    print(f"preset {args.preset}: {params / 1e6:.1f} M parameters ({params * 16 / 2**30:.1f} GiB of fp32 weights + "
-          f"grads + AdamW state); matmul weights analytic {analytic:,} vs counted {counted:,} "
-          f"({'match' if analytic == counted else 'MISMATCH'})")
-    print(f"batch: {geo.rows} rows x ({geo.patch_slots} patch + {geo.token_slots} token slots), "
-          f"{len(geo.samples)} samples, {geo.real_patches} real patches, {geo.real_tokens} real tokens, "
-          f"padding {100 * (1 - (geo.real_patches + geo.real_tokens) / geo.slot_tokens):.1f}%")
+    print(
+        f"preset {args.preset}: {params / 1e6:.1f} M parameters ({params * 16 / 2**30:.1f} GiB of fp32 weights + "
+        f"grads + AdamW state); matmul weights analytic {analytic:,} vs counted {counted:,} "
+        f"({'match' if analytic == counted else 'MISMATCH'})"
+    )
+    print(
+        f"batch: {geo.rows} rows x ({geo.patch_slots} patch + {geo.token_slots} token slots), "
+        f"{len(geo.samples)} samples, {geo.real_patches} real patches, {geo.real_tokens} real tokens, "
+        f"padding {100 * (1 - (geo.real_patches + geo.real_tokens) / geo.slot_tokens):.1f}%"
+    )
     print(flops_table(step_flops(config, geo)))
     for name, peak in (("H100/H200 SXM", 989e12), ("A100", 312e12)):
         total = sum(m for _, m, _ in step_flops(config, geo))
@@ -752,28 +845,50 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=None, help="rows per batch (preset default; 16 for 1b)")
     parser.add_argument("--patches-per-row", type=int, default=None, help="patch slots per row (1024 for 1b)")
     parser.add_argument("--tokens-per-row", type=int, default=None, help="token slots per row (1024 for 1b)")
-    parser.add_argument("--image-side", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                        help="image grid side range in patches (8 24 for 1b)")
-    parser.add_argument("--caption-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
-                        help="caption length range (32 480 for 1b)")
+    parser.add_argument(
+        "--image-side",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="image grid side range in patches (8 24 for 1b)",
+    )
+    parser.add_argument(
+        "--caption-tokens",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="caption length range (32 480 for 1b)",
+    )
     parser.add_argument("--missing-image-every", type=int, default=0, help="every N-th sample has no image (0: none)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (fewer if --max-seconds runs out)")
     parser.add_argument("--max-seconds", type=float, default=420.0, help="wall-time budget of the whole script")
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
-                        help="bf16: autocast over fp32 master weights; fp32: no autocast (default: bf16 with CUDA, "
-                             "fp32 on CPU)")
+    parser.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="bf16: autocast over fp32 master weights; fp32: no autocast (default: bf16 with CUDA, fp32 on CPU)",
+    )
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s (overrides table)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(model) (off by default)")
-    parser.add_argument("--compile-min-seconds", type=float, default=150.0,
-                        help="skip --compile when fewer seconds of --max-seconds are left")
+    parser.add_argument(
+        "--compile-min-seconds",
+        type=float,
+        default=150.0,
+        help="skip --compile when fewer seconds of --max-seconds are left",
+    )
     parser.add_argument("--skip-nccl", action="store_true")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--no-oom-backoff", action="store_true", help="fail on OOM instead of halving --rows")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU when there is no CUDA (tests the script)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the FLOPs table for the preset and batch shape (meta-device model), then exit")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the FLOPs table for the preset and batch shape (meta-device model), then exit",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/gpu_check.json")
     args = parser.parse_args()
@@ -796,15 +911,20 @@ def main() -> int:
         import lightning_mm.datamodules.regroup  # noqa: F401
         import lightning_mm.models.vlm.losses  # noqa: F401
     except ImportError as exc:
-        import_error = (f"cannot import lightning_mm ({type(exc).__name__}: {exc}); install the package and its "
-                        f"dependencies (scripts/setup.sh, or `pip install -e .`)")
+        import_error = (
+            f"cannot import lightning_mm ({type(exc).__name__}: {exc}); install the package and its "
+            f"dependencies (scripts/setup.sh, or `pip install -e .`)"
+        )
         print(f"error: {import_error}", file=sys.stderr)
     if args.dry_run:
         return 3 if import_error else dry_run(args)
     if not cuda and not args.allow_cpu:
-        print("error: no CUDA device visible to torch "
-              f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); this check needs a GPU. "
-              "Pass --allow-cpu to run the same code path on CPU (tiny preset) for testing.", file=sys.stderr)
+        print(
+            "error: no CUDA device visible to torch "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); this check needs a GPU. "
+            "Pass --allow-cpu to run the same code path on CPU (tiny preset) for testing.",
+            file=sys.stderr,
+        )
         return 2
     if not cuda and args.preset not in ("tiny", "small"):
         print(f"error: --preset {args.preset} is too large for a CPU run; use tiny or small", file=sys.stderr)
@@ -843,8 +963,9 @@ def main() -> int:
         try:
             passed &= train_check(args, device, report, save)
         except Exception as exc:  # recorded, then reported through the exit status
-            report.setdefault("train", {}).update(error=f"{type(exc).__name__}: {exc}",
-                                                  traceback=traceback.format_exc())
+            report.setdefault("train", {}).update(
+                error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+            )
             traceback.print_exc()
             passed = False
     report["status"] = "passed" if passed else "failed"

@@ -48,8 +48,16 @@ MODELS = {
     "balanced": {"unimodal_layers": 2, "fusion_layers": 6, "text_width": 512, "text_heads": 8, "expert_hidden": 1024},
     # ViT-heavy: the vision encoder is 47 % of the forward FLOPs (auto: 4.10 / 3.93 GFLOP per stage and
     # microbatch; an even split of the decoder layers: 5.75 / 2.29).
-    "vit_heavy": {"vision_width": 480, "vision_heads": 8, "vision_layers": 5, "unimodal_layers": 2,
-                  "fusion_layers": 8, "text_width": 320, "text_heads": 5, "expert_hidden": 640},
+    "vit_heavy": {
+        "vision_width": 480,
+        "vision_heads": 8,
+        "vision_layers": 5,
+        "unimodal_layers": 2,
+        "fusion_layers": 8,
+        "text_width": 320,
+        "text_heads": 5,
+        "expert_hidden": 640,
+    },
 }
 
 
@@ -77,31 +85,51 @@ def _one(rank: int, world: int, run: dict, steps: int, rows_per_microbatch: int)
     model, schedule, m, split = run["model"], run["schedule"], run["microbatches"], run["split"]
     module = VLMModule(preset="small", model_overrides=MODELS[model])
     virtual = 2 if schedule == "Interleaved1F1B" else 1
-    strategy = HybridParallelStrategy(pipeline_parallel=2, pipeline_schedule=schedule, microbatches=m,
-                                      virtual_stages=virtual, pipeline_split=split,
-                                      pipeline_shape=(rows_per_microbatch * m, PATCHES, TOKENS, 1))
+    strategy = HybridParallelStrategy(
+        pipeline_parallel=2,
+        pipeline_schedule=schedule,
+        microbatches=m,
+        virtual_stages=virtual,
+        pipeline_split=split,
+        pipeline_shape=(rows_per_microbatch * m, PATCHES, TOKENS, 1),
+    )
     png = RESULTS / f"pipeline_{run['name']}.png"
     strategy.record_timeline(step=steps - 1, path=png)
     rows = rows_per_microbatch * m
-    samples = random_samples(rows * steps, seed=1, patches=(PATCHES - 8, PATCHES + 1), tokens=(TOKENS - 8, TOKENS + 1),
-                             grid=8)
+    samples = random_samples(
+        rows * steps, seed=1, patches=(PATCHES - 8, PATCHES + 1), tokens=(TOKENS - 8, TOKENS + 1), grid=8
+    )
     batches = [pad_batch(b, (rows, PATCHES, TOKENS, 1)) for b in shard_batches(samples, rows, 0, 1)]
     timer = _StepTimer()
-    L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
-              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              use_distributed_sampler=False, callbacks=[timer]).fit(
-        module, torch.utils.data.DataLoader(batches, batch_size=None))
+    L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[timer],
+    ).fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     timeline = strategy.pipeline.timeline
     events = [e for rank_events in timeline["events"] for e in rank_events]
     forward = [(e[4] - e[3]) * 1e3 for e in events if e[0] == "F"]
     statistics_pass = sum(e[4] - e[3] for e in events if e[0] == "S")
     busy = sum(e[4] - e[3] for e in events)
-    return {**run, "virtual_stages": virtual, "idle_fraction": timeline["idle_fraction"],
-            "theory": timeline["theory"], "idle_over_theory": timeline["idle_fraction"] / timeline["theory"],
-            "median_forward_chunk_ms": statistics.median(forward), "statistics_pass_share_of_busy":
-            statistics_pass / busy, "step_time_s": statistics.median(timer.times[1:]),
-            "stage_units": [strategy.pipeline.split.stage_units(s) for s in range(strategy.pipeline.split.num_stages)],
-            "timeline_png": png.name}
+    return {
+        **run,
+        "virtual_stages": virtual,
+        "idle_fraction": timeline["idle_fraction"],
+        "theory": timeline["theory"],
+        "idle_over_theory": timeline["idle_fraction"] / timeline["theory"],
+        "median_forward_chunk_ms": statistics.median(forward),
+        "statistics_pass_share_of_busy": statistics_pass / busy,
+        "step_time_s": statistics.median(timer.times[1:]),
+        "stage_units": [strategy.pipeline.split.stage_units(s) for s in range(strategy.pipeline.split.num_stages)],
+        "timeline_png": png.name,
+    }
 
 
 def _all(rank: int, world: int, runs: list[dict], steps: int, rows_per_microbatch: int) -> list[dict]:
@@ -112,8 +140,11 @@ def _computed_balance(model: str, split: list[str] | str, rows: int) -> list[flo
     config = build_config("small", **MODELS[model])
     costs = unit_costs(config, rows, PATCHES, TOKENS)
     units = model_units(config)
-    chosen = (auto_split(units, costs, 2) if split == "auto"
-              else explicit_split(units, [s.removeprefix("model.") for s in split], 2))
+    chosen = (
+        auto_split(units, costs, 2)
+        if split == "auto"
+        else explicit_split(units, [s.removeprefix("model.") for s in split], 2)
+    )
     return [c / 1e9 for c in stage_costs(chosen, costs)]
 
 
@@ -126,25 +157,52 @@ def main() -> None:
     runs = []
     for schedule in ("1F1B", "Interleaved1F1B"):
         for m in (4, 8):  # m = 2p and 4p
-            runs.append({"name": f"balanced_{schedule.lower()}_m{m}", "model": "balanced", "schedule": schedule,
-                         "microbatches": m, "split": "auto"})
+            runs.append(
+                {
+                    "name": f"balanced_{schedule.lower()}_m{m}",
+                    "model": "balanced",
+                    "schedule": schedule,
+                    "microbatches": m,
+                    "split": "auto",
+                }
+            )
     for m in (8, 16):  # p = 2: the bubble's floor is 1 / (m + 1), 11.1 % at m = 8, 5.9 % at m = 16
         for label, split in (("auto", "auto"), ("even", _even_split(MODELS["vit_heavy"]))):
-            runs.append({"name": f"vit_heavy_{label}_1f1b_m{m}", "model": "vit_heavy", "schedule": "1F1B",
-                         "microbatches": m, "split": split})
+            runs.append(
+                {
+                    "name": f"vit_heavy_{label}_1f1b_m{m}",
+                    "model": "vit_heavy",
+                    "schedule": "1F1B",
+                    "microbatches": m,
+                    "split": split,
+                }
+            )
     rows = run_distributed(_all, 2, runs, args.steps, args.rows_per_microbatch, timeout=3000)[0]
     for row in rows:
         row["computed_stage_gflop"] = _computed_balance(row["model"], row["split"], args.rows_per_microbatch)
-    header = (f"{'run':<32}{'idle':>7}{'theory':>8}{'ratio':>7}{'F ms':>7}{'S share':>9}{'step s':>8}  "
-              "computed stage GFLOP per microbatch")
+    header = (
+        f"{'run':<32}{'idle':>7}{'theory':>8}{'ratio':>7}{'F ms':>7}{'S share':>9}{'step s':>8}  "
+        "computed stage GFLOP per microbatch"
+    )
     print(header)
     for row in rows:
-        print(f"{row['name']:<32}{row['idle_fraction']:>7.3f}{row['theory']:>8.3f}{row['idle_over_theory']:>7.2f}"
-              f"{row['median_forward_chunk_ms']:>7.0f}{row['statistics_pass_share_of_busy']:>9.2f}"
-              f"{row['step_time_s']:>8.2f}  {', '.join(f'{c:.2f}' for c in row['computed_stage_gflop'])}")
-    meta = {"machine": platform.platform(), "threads_per_rank": 1, "torch": torch.__version__,
-            "lightning": L.__version__, "pp": 2, "rows_per_microbatch": args.rows_per_microbatch,
-            "patches_per_row": PATCHES, "tokens_per_row": TOKENS, "steps": args.steps, "models": MODELS}
+        print(
+            f"{row['name']:<32}{row['idle_fraction']:>7.3f}{row['theory']:>8.3f}{row['idle_over_theory']:>7.2f}"
+            f"{row['median_forward_chunk_ms']:>7.0f}{row['statistics_pass_share_of_busy']:>9.2f}"
+            f"{row['step_time_s']:>8.2f}  {', '.join(f'{c:.2f}' for c in row['computed_stage_gflop'])}"
+        )
+    meta = {
+        "machine": platform.platform(),
+        "threads_per_rank": 1,
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+        "pp": 2,
+        "rows_per_microbatch": args.rows_per_microbatch,
+        "patches_per_row": PATCHES,
+        "tokens_per_row": TOKENS,
+        "steps": args.steps,
+        "models": MODELS,
+    }
     (RESULTS / "pipeline.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
 
 

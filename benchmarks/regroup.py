@@ -68,20 +68,32 @@ SCALES = {
     # Web scale: the DataModule caps patches per image and tokens per caption below the row budgets.
     # 368 / 8192 ~ mean caption tokens (19.3 with BOS / EOS) / mean visual tokens (432).
     "coyo": {
-        "patch_scale": 1.0, "max_patches_per_image": 4096, "max_tokens_per_caption": 256,
-        "max_patches_per_row": 8192, "max_tokens_per_row": 368, "rows_per_batch": 8,
+        "patch_scale": 1.0,
+        "max_patches_per_image": 4096,
+        "max_tokens_per_caption": 256,
+        "max_patches_per_row": 8192,
+        "max_tokens_per_row": 368,
+        "rows_per_batch": 8,
     },
     # Sanity check against the published (single-budget) reference points: the token budget never binds
     # (a row could hold ~400 captions), so only patches are packed; compare the "pad patch" column.
     "coyo_patch_budget_only": {
-        "patch_scale": 1.0, "max_patches_per_image": 4096, "max_tokens_per_caption": 256,
-        "max_patches_per_row": 8192, "max_tokens_per_row": 8192, "rows_per_batch": 8,
+        "patch_scale": 1.0,
+        "max_patches_per_image": 4096,
+        "max_tokens_per_caption": 256,
+        "max_patches_per_row": 8192,
+        "max_tokens_per_row": 8192,
+        "rows_per_batch": 8,
     },
     # CPU setting of this repo (SimpleImageTextDataModule defaults: 64 patches / 64 tokens): visual
     # tokens scaled so COYO's p95 maps onto the 64-patch cap; 240 / 256 ~ mean tokens 19.2 / mean patches 20.2.
     "cpu": {
-        "patch_scale": 64 / COYO_VISUAL_TOKENS["p95"], "max_patches_per_image": 64, "max_tokens_per_caption": 64,
-        "max_patches_per_row": 256, "max_tokens_per_row": 240, "rows_per_batch": 8,
+        "patch_scale": 64 / COYO_VISUAL_TOKENS["p95"],
+        "max_patches_per_image": 64,
+        "max_tokens_per_caption": 64,
+        "max_patches_per_row": 256,
+        "max_tokens_per_row": 240,
+        "rows_per_batch": 8,
     },
 }
 BUFFER_SIZES = (256, 1000, 4000)
@@ -101,8 +113,9 @@ def draw_lengths(count: int, scale: dict, rng: random.Random) -> list[tuple[int,
     for _ in range(count):
         visual = rng.lognormvariate(mu_v, sigma_v) * scale["patch_scale"]
         patches = min(max(1, round(visual)), scale["max_patches_per_image"])
-        caption = min(max(round(rng.lognormvariate(mu_t, CAPTION_SIGMA)), COYO_CAPTION_TOKENS["min"]),
-                      COYO_CAPTION_TOKENS["max"])
+        caption = min(
+            max(round(rng.lognormvariate(mu_t, CAPTION_SIGMA)), COYO_CAPTION_TOKENS["min"]), COYO_CAPTION_TOKENS["max"]
+        )
         pairs.append((patches, min(caption + FRAMING_TOKENS, scale["max_tokens_per_caption"])))
     return pairs
 
@@ -164,10 +177,16 @@ def summarize(
     real = slots["real_patches"] + slots["real_tokens"]
     pad_all = 1 - real / (slots["patch_slots"] + slots["token_slots"])
     return {
-        "strategy": name, "buffer_size": buffer, "batches_per_epoch": len(batches),
-        "samples_per_batch": slots["samples"] / len(batches), "samples_dropped": total - slots["samples"],
+        "strategy": name,
+        "buffer_size": buffer,
+        "batches_per_epoch": len(batches),
+        "samples_per_batch": slots["samples"] / len(batches),
+        "samples_dropped": total - slots["samples"],
         "samples_carried": carried,
-        "patch_padding": pad_p, "token_padding": pad_t, "padding": pad_all, "us_per_sample": us,
+        "patch_padding": pad_p,
+        "token_padding": pad_t,
+        "padding": pad_all,
+        "us_per_sample": us,
     }
 
 
@@ -184,9 +203,13 @@ def run_scale(scale_name: str, count: int, seed: int) -> tuple[dict, list[dict]]
     min_rows = math.ceil(max(sum_p / scale["max_patches_per_row"], sum_t / scale["max_tokens_per_row"]) / rows) * rows
     lower_bound = 1 - (sum_p + sum_t) / (min_rows * (scale["max_patches_per_row"] + scale["max_tokens_per_row"]))
     info = {
-        **scale, "lower_bound_padding": lower_bound,
-        "batch_patch_budget": patch_budget, "batch_token_budget": token_budget,
-        "fixed_batch_size": fixed_size, "mean_patches": mean_slots, "mean_tokens": mean_tokens,
+        **scale,
+        "lower_bound_padding": lower_bound,
+        "batch_patch_budget": patch_budget,
+        "batch_token_budget": token_budget,
+        "fixed_batch_size": fixed_size,
+        "mean_patches": mean_slots,
+        "mean_tokens": mean_tokens,
         "median_patches": statistics.median(p for p, _ in pairs),
         "p5_p95_patches": [sorted(p for p, _ in pairs)[int(q * count)] for q in (0.05, 0.95)],
     }
@@ -206,8 +229,18 @@ def run_scale(scale_name: str, count: int, seed: int) -> tuple[dict, list[dict]]
 
             def pack(b: int = buffer, fit: str = fit, stats: RegroupStats = stats) -> list:
                 stats.samples_carried = stats.samples_dropped = 0  # keep the counts of the last repeat
-                return list(pack_rows(iter(samples), scale["max_patches_per_row"], scale["max_tokens_per_row"], rows,
-                                      b, random.Random(seed), stats=stats, fit=fit))
+                return list(
+                    pack_rows(
+                        iter(samples),
+                        scale["max_patches_per_row"],
+                        scale["max_tokens_per_row"],
+                        rows,
+                        b,
+                        random.Random(seed),
+                        stats=stats,
+                        fit=fit,
+                    )
+                )
 
             batches, us = timed(pack, count)
             result = summarize(name, buffer, batches, packed_padding(batches, scale), count, us, stats.samples_carried)
@@ -218,17 +251,23 @@ def run_scale(scale_name: str, count: int, seed: int) -> tuple[dict, list[dict]]
 
 
 def print_table(scale_name: str, info: dict, results: list[dict]) -> None:
-    print(f"\n[{scale_name}] rows/batch {info['rows_per_batch']}, row budget {info['max_patches_per_row']} patches / "
-          f"{info['max_tokens_per_row']} tokens, batch budget {info['batch_patch_budget']} / "
-          f"{info['batch_token_budget']}, fixed batch size {info['fixed_batch_size']}, mean patches "
-          f"{info['mean_patches']:.1f}, mean tokens {info['mean_tokens']:.1f}, padding lower bound (packed shapes) "
-          f"{info['lower_bound_padding']:.1%}")
-    print(f"{'strategy':<10} {'buffer':>6} {'batches':>8} {'smp/batch':>9} {'dropped':>7} "
-          f"{'pad patch':>9} {'pad token':>9} {'pad all':>8} {'us/sample':>9}")
+    print(
+        f"\n[{scale_name}] rows/batch {info['rows_per_batch']}, row budget {info['max_patches_per_row']} patches / "
+        f"{info['max_tokens_per_row']} tokens, batch budget {info['batch_patch_budget']} / "
+        f"{info['batch_token_budget']}, fixed batch size {info['fixed_batch_size']}, mean patches "
+        f"{info['mean_patches']:.1f}, mean tokens {info['mean_tokens']:.1f}, padding lower bound (packed shapes) "
+        f"{info['lower_bound_padding']:.1%}"
+    )
+    print(
+        f"{'strategy':<10} {'buffer':>6} {'batches':>8} {'smp/batch':>9} {'dropped':>7} "
+        f"{'pad patch':>9} {'pad token':>9} {'pad all':>8} {'us/sample':>9}"
+    )
     for r in results:
-        print(f"{r['strategy']:<10} {r['buffer_size'] or '-':>6} {r['batches_per_epoch']:>8} "
-              f"{r['samples_per_batch']:>9.1f} {r['samples_dropped']:>7} {r['patch_padding']:>9.1%} "
-              f"{r['token_padding']:>9.1%} {r['padding']:>8.1%} {r['us_per_sample']:>9.2f}")
+        print(
+            f"{r['strategy']:<10} {r['buffer_size'] or '-':>6} {r['batches_per_epoch']:>8} "
+            f"{r['samples_per_batch']:>9.1f} {r['samples_dropped']:>7} {r['patch_padding']:>9.1%} "
+            f"{r['token_padding']:>9.1%} {r['padding']:>8.1%} {r['us_per_sample']:>9.2f}"
+        )
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -259,15 +298,26 @@ def main() -> None:
     torch.set_num_threads(1)  # nothing here is tensor math; stay light on a shared machine
 
     report = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "python": sys.version.split()[0], "torch": torch.__version__},
-        "parameters": {"samples": args.samples, "seed": args.seed, "buffer_sizes": list(BUFFER_SIZES),
-                       "repeats": REPEATS, "coyo_visual_tokens": COYO_VISUAL_TOKENS,
-                       "coyo_caption_tokens": COYO_CAPTION_TOKENS, "caption_sigma": CAPTION_SIGMA,
-                       "framing_tokens": FRAMING_TOKENS, "scales": {}},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+        },
+        "parameters": {
+            "samples": args.samples,
+            "seed": args.seed,
+            "buffer_sizes": list(BUFFER_SIZES),
+            "repeats": REPEATS,
+            "coyo_visual_tokens": COYO_VISUAL_TOKENS,
+            "coyo_caption_tokens": COYO_CAPTION_TOKENS,
+            "caption_sigma": CAPTION_SIGMA,
+            "framing_tokens": FRAMING_TOKENS,
+            "scales": {},
+        },
         "source": "kakaobrain/coyo-dataset statistics; lognormal shapes and independence are modelling assumptions",
         "padding_definition": "padding slots / allocated slots of the collated tensors; 'padding' counts patch and "
-                              "token slots together",
+        "token slots together",
         "reference": REFERENCE,
         "results": {},
     }

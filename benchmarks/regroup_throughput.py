@@ -37,10 +37,17 @@ MODES = ("none", "bucket", "pack")
 def _datamodule(mode: str, args: argparse.Namespace) -> ImageTextWebDataModule:
     batch_size = min(args.patch_budget // args.max_patches_per_image, args.token_budget // args.max_text_tokens)
     return ImageTextWebDataModule(
-        synthetic_preset="default", patch_size=16, max_patches_per_image=args.max_patches_per_image,
-        max_text_tokens=args.max_text_tokens, regroup=mode, batch_size=batch_size,
-        max_patches_per_batch=args.patch_budget, max_tokens_per_batch=args.token_budget,
-        rows_per_batch=args.rows_per_batch, buffer_size=args.buffer_size, seed=0,
+        synthetic_preset="default",
+        patch_size=16,
+        max_patches_per_image=args.max_patches_per_image,
+        max_text_tokens=args.max_text_tokens,
+        regroup=mode,
+        batch_size=batch_size,
+        max_patches_per_batch=args.patch_budget,
+        max_tokens_per_batch=args.token_budget,
+        rows_per_batch=args.rows_per_batch,
+        buffer_size=args.buffer_size,
+        seed=0,
     )
 
 
@@ -134,21 +141,35 @@ def main() -> None:
             "samples_per_step_mean": statistics.fmean(samples_per_step[mode]),
             "batches_per_epoch": len(modules[mode].train_dataloader()),
         }
-    print(f"{'mode':8} {'pipeline samp/s':>16} {'vs none':>8} {'train real tok/s':>17} {'vs none':>8} "
-          f"{'padding':>8} {'samples/step':>13} {'batches/epoch':>14}")
+    print(
+        f"{'mode':8} {'pipeline samp/s':>16} {'vs none':>8} {'train real tok/s':>17} {'vs none':>8} "
+        f"{'padding':>8} {'samples/step':>13} {'batches/epoch':>14}"
+    )
     for mode, r in results.items():
-        print(f"{mode:8} {r['pipeline_samples_per_s_median']:16.1f} {r['pipeline_vs_none']:8.2f} "
-              f"{r['train_real_tokens_per_s_median']:17.0f} {r['train_vs_none']:8.2f} "
-              f"{100 * r['padding_fraction_mean']:7.1f}% {r['samples_per_step_mean']:13.1f} "
-              f"{r['batches_per_epoch']:14d}")
+        print(
+            f"{mode:8} {r['pipeline_samples_per_s_median']:16.1f} {r['pipeline_vs_none']:8.2f} "
+            f"{r['train_real_tokens_per_s_median']:17.0f} {r['train_vs_none']:8.2f} "
+            f"{100 * r['padding_fraction_mean']:7.1f}% {r['samples_per_step_mean']:13.1f} "
+            f"{r['batches_per_epoch']:14d}"
+        )
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
-        "args": vars(args), "results": results,
-    }, indent=2))
+    output.write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "platform": platform.platform(),
+                    "processor": platform.processor(),
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                },
+                "args": vars(args),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {output}")
 
 

@@ -81,8 +81,14 @@ CONFIGS: dict[str, dict[str, int]] = {
 }
 # tiny preset widened to ~2.4M parameters (1.05M of them in the fusion blocks' modality experts)
 MODEL_OVERRIDES: dict[str, Any] = {
-    "vision_width": 128, "vision_heads": 4, "vision_layers": 2, "text_width": 128, "text_heads": 4,
-    "unimodal_layers": 2, "fusion_layers": 2, "expert_hidden": 512,
+    "vision_width": 128,
+    "vision_heads": 4,
+    "vision_layers": 2,
+    "text_width": 128,
+    "text_heads": 4,
+    "unimodal_layers": 2,
+    "fusion_layers": 2,
+    "expert_hidden": 512,
 }
 SEED, DATA_SEED, PATCH_SIZE, VOCAB = 1234, 7, 16, 512
 DEFAULT_OUTPUT = "benchmarks/results/strategy_overhead.json"
@@ -101,8 +107,12 @@ class HandParallelVLM(VLMModule):
         self._dp_mesh = dp_mesh  # kept: slicing the mesh every step costs a few tensor ops each time
         model = self.model
         if tp_mesh.size() > 1:
-            attn = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
-                    "o_proj": RowwiseParallel()}
+            attn = {
+                "q_proj": ColwiseParallel(),
+                "k_proj": ColwiseParallel(),
+                "v_proj": ColwiseParallel(),
+                "o_proj": RowwiseParallel(),
+            }
             mlp = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
             for block in [*model.vision.blocks, *model.unimodal_layers]:
                 plan = {f"attn.{name}": style for name, style in attn.items()}
@@ -156,8 +166,9 @@ def _hand_plan_matches_shipped(module: VLMModule) -> bool:
 
 def _batches(steps: int, global_batch: int, dp_rank: int, dp_size: int):
     # Images of 8-47 patches and captions of 8-31 tokens; every 5th sample has no image.
-    samples = random_samples(steps * global_batch, PATCH_SIZE, VOCAB, DATA_SEED, patches=(8, 48), tokens=(8, 32),
-                             grid=8)
+    samples = random_samples(
+        steps * global_batch, PATCH_SIZE, VOCAB, DATA_SEED, patches=(8, 48), tokens=(8, 32), grid=8
+    )
     return shard_batches(samples, global_batch, dp_rank, dp_size)
 
 
@@ -231,8 +242,14 @@ def _fit(kind: str, config: dict[str, int], args: argparse.Namespace, measure_me
     rank = dist.get_rank()
     L.seed_everything(SEED, verbose=False)
     module_cls = HandParallelVLM if kind == "model_parallel" else VLMModule
-    module = module_cls(preset="tiny", vocab_size=VOCAB, patch_size=PATCH_SIZE, warmup_steps=2,
-                        learning_rate=1e-3, model_overrides=MODEL_OVERRIDES)
+    module = module_cls(
+        preset="tiny",
+        vocab_size=VOCAB,
+        patch_size=PATCH_SIZE,
+        warmup_steps=2,
+        learning_rate=1e-3,
+        model_overrides=MODEL_OVERRIDES,
+    )
     if kind == "model_parallel":
         strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
     else:
@@ -244,33 +261,52 @@ def _fit(kind: str, config: dict[str, int], args: argparse.Namespace, measure_me
     timer = StepTimer(profile_step=steps - 1 if measure_memory else None)
     start = time.perf_counter()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[timer],
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=[timer],
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     # Global loss of each step: every rank's loss is its share of the global mean, so average over ranks.
     losses = torch.stack(timer.losses)
     dist.all_reduce(losses)
-    result = {"times": timer.times, "cpu_times": timer.cpu_times, "losses": (losses / world).tolist(),
-              "fit_wall_s": time.perf_counter() - start}
+    result = {
+        "times": timer.times,
+        "cpu_times": timer.cpu_times,
+        "losses": (losses / world).tolist(),
+        "fit_wall_s": time.perf_counter() - start,
+    }
     if measure_memory:
         result["memory"] = timer.memory
         result["ops"] = timer.ops
         result["layout"] = {name: type(p).__name__ for name, p in module.model.named_parameters()}
         result["params"] = sum(p.numel() for p in module.model.parameters())
         model = module.model
-        in_blocks = {id(p) for block in [*model.vision.blocks, *model.unimodal_layers, *model.fusion_layers]
-                     for p in block.parameters()}
+        in_blocks = {
+            id(p)
+            for block in [*model.vision.blocks, *model.unimodal_layers, *model.fusion_layers]
+            for p in block.parameters()
+        }
         result["params_outside_blocks"] = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
         if kind == "model_parallel" and tp > 1:
             result["hand_plan_matches_shipped"] = _hand_plan_matches_shipped(
-                VLMModule(preset="tiny", vocab_size=VOCAB, patch_size=PATCH_SIZE, model_overrides=MODEL_OVERRIDES))
+                VLMModule(preset="tiny", vocab_size=VOCAB, patch_size=PATCH_SIZE, model_overrides=MODEL_OVERRIDES)
+            )
     return result
 
 
-def _run_config(rank: int, world: int, config: str, pair: tuple[tuple[str, str], ...],
-                args: argparse.Namespace) -> dict:
+def _run_config(
+    rank: int, world: int, config: str, pair: tuple[tuple[str, str], ...], args: argparse.Namespace
+) -> dict:
     """On every rank: ``--repeats`` fresh fits of each ``(label, strategy kind)`` of ``pair``, order ABBA."""
     warnings.filterwarnings("ignore")
     for logger in ("lightning.pytorch", "lightning.fabric", "lightning"):
@@ -336,9 +372,16 @@ def _summarise(config: str, pair: tuple[tuple[str, str], ...], ranks: list[dict]
             # A step lasts as long as its slowest rank.
             wall = [max(step) for step in zip(*(r[label][index]["times"] for r in ranks), strict=True)]
             cpu = [max(step) for step in zip(*(r[label][index]["cpu_times"] for r in ranks), strict=True)]
-            wall, cpu = wall[args.warmup:args.warmup + args.steps], cpu[args.warmup:args.warmup + args.steps]
-            repeats.append({"step_times_s": wall, "median_s": statistics.median(wall), "step_cpu_times_s": cpu,
-                            "cpu_median_s": statistics.median(cpu), "fit_wall_s": ranks[0][label][index]["fit_wall_s"]})
+            wall, cpu = wall[args.warmup : args.warmup + args.steps], cpu[args.warmup : args.warmup + args.steps]
+            repeats.append(
+                {
+                    "step_times_s": wall,
+                    "median_s": statistics.median(wall),
+                    "step_cpu_times_s": cpu,
+                    "cpu_median_s": statistics.median(cpu),
+                    "fit_wall_s": ranks[0][label][index]["fit_wall_s"],
+                }
+            )
         pooled = [t for r in repeats for t in r["step_times_s"]]
         first = ranks[0][label][0]
         out["strategies"][label] = {
@@ -348,8 +391,9 @@ def _summarise(config: str, pair: tuple[tuple[str, str], ...], ranks: list[dict]
             "min_s": min(pooled),
             "cpu_median_of_repeat_medians_s": statistics.median(r["cpu_median_s"] for r in repeats),
             "losses_first_fit": first["losses"],
-            "losses_identical_across_repeats": all(ranks[0][label][i]["losses"] == first["losses"]
-                                                   for i in range(args.repeats)),
+            "losses_identical_across_repeats": all(
+                ranks[0][label][i]["losses"] == first["losses"] for i in range(args.repeats)
+            ),
             "memory": _summarise_memory([r[label][0]["memory"] for r in ranks], mesh["dp"] * mesh["tp"]),
             "plain_tensor_params": sorted(n for n, t in first["layout"].items() if t != "DTensor"),
             "params": first["params"],
@@ -360,15 +404,16 @@ def _summarise(config: str, pair: tuple[tuple[str, str], ...], ranks: list[dict]
             out["hand_plan_matches_shipped"] = first["hand_plan_matches_shipped"]
     b, c = out["strategies"][base], out["strategies"][cand]
     out["step_time_ratio"] = _ratio([r["median_s"] for r in c["repeats"]], [r["median_s"] for r in b["repeats"]])
-    out["cpu_time_ratio"] = _ratio([r["cpu_median_s"] for r in c["repeats"]],
-                                   [r["cpu_median_s"] for r in b["repeats"]])
+    out["cpu_time_ratio"] = _ratio([r["cpu_median_s"] for r in c["repeats"]], [r["cpu_median_s"] for r in b["repeats"]])
     out["p10_step_time_ratio"] = c["p10_pooled_s"] / b["p10_pooled_s"]
     out["memory_ratio"] = c["memory"]["max_bytes_per_rank"] / b["memory"]["max_bytes_per_rank"]
     ops_b, ops_c = b["ops_per_step_rank0"], c["ops_per_step_rank0"]
-    out["collectives_per_step_rank0"] = {label: sum(v for k, v in ops.items() if k.startswith("c10d::"))
-                                         for label, ops in ((base, ops_b), (cand, ops_c))}
-    out["ops_differences_rank0"] = {k: [ops_b.get(k, 0), ops_c.get(k, 0)] for k in sorted({*ops_b, *ops_c})
-                                    if ops_b.get(k, 0) != ops_c.get(k, 0)}
+    out["collectives_per_step_rank0"] = {
+        label: sum(v for k, v in ops.items() if k.startswith("c10d::")) for label, ops in ((base, ops_b), (cand, ops_c))
+    }
+    out["ops_differences_rank0"] = {
+        k: [ops_b.get(k, 0), ops_c.get(k, 0)] for k in sorted({*ops_b, *ops_c}) if ops_b.get(k, 0) != ops_c.get(k, 0)
+    }
     for key, index in (("first_loss_rel_diff", 0), ("last_loss_rel_diff", -1)):
         out[key] = abs(c["losses_first_fit"][index] - b["losses_first_fit"][index]) / abs(b["losses_first_fit"][index])
     return out
@@ -378,8 +423,10 @@ def _print(results: dict[str, dict]) -> None:
     def ratio(r: dict) -> str:
         return f"{r['median']:.3f} ({r['min']:.2f}-{r['max']:.2f})"
 
-    print(f"\n{'run':12} {'strategy':15} {'wall ms/step: median (per-repeat medians)':58} {'ratio (min-max)':>18} "
-          f"{'p10 ms':>7} {'ratio':>6} {'cpu ms':>7} {'cpu ratio (min-max)':>20}")
+    print(
+        f"\n{'run':12} {'strategy':15} {'wall ms/step: median (per-repeat medians)':58} {'ratio (min-max)':>18} "
+        f"{'p10 ms':>7} {'ratio':>6} {'cpu ms':>7} {'cpu ratio (min-max)':>20}"
+    )
     for name, r in results.items():
         for index, (label, s) in enumerate(r["strategies"].items()):
             per = " ".join(f"{1e3 * x['median_s']:.0f}" for x in s["repeats"])
@@ -387,27 +434,39 @@ def _print(results: dict[str, dict]) -> None:
             wall_ratio = ratio(r["step_time_ratio"]) if index else ""
             p10_ratio = f"{r['p10_step_time_ratio']:.3f}" if index else ""
             cpu_ratio = ratio(r["cpu_time_ratio"]) if index else ""
-            print(f"{name:12} {label:15} {times:58} {wall_ratio:>18} {1e3 * s['p10_pooled_s']:7.1f} {p10_ratio:>6} "
-                  f"{1e3 * s['cpu_median_of_repeat_medians_s']:7.1f} {cpu_ratio:>20}")
-    print(f"\n{'run':12} {'strategy':15} {'MiB/rank':>9} {'ideal':>7} {'x ideal':>8} {'first loss':>11} "
-          f"{'last loss':>11}  excess over ideal on the fullest rank (MiB)")
+            print(
+                f"{name:12} {label:15} {times:58} {wall_ratio:>18} {1e3 * s['p10_pooled_s']:7.1f} {p10_ratio:>6} "
+                f"{1e3 * s['cpu_median_of_repeat_medians_s']:7.1f} {cpu_ratio:>20}"
+            )
+    print(
+        f"\n{'run':12} {'strategy':15} {'MiB/rank':>9} {'ideal':>7} {'x ideal':>8} {'first loss':>11} "
+        f"{'last loss':>11}  excess over ideal on the fullest rank (MiB)"
+    )
     for name, r in results.items():
         if r["pair"][0][1] == r["pair"][1][1]:
             continue  # the A/A control measures the same thing twice
         for label, s in r["strategies"].items():
             mem = s["memory"]
-            top = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in list(mem["excess_by_parameter"].items())[:4]
-                            if v >= 2**10)
-            print(f"{name:12} {label:15} {mem['max_bytes_per_rank'] / 2**20:9.3f} "
-                  f"{mem['ideal_bytes_per_rank'] / 2**20:7.3f} {mem['max_vs_ideal']:8.3f} "
-                  f"{s['losses_first_fit'][0]:11.6f} {s['losses_first_fit'][-1]:11.6f}  "
-                  f"{mem['excess_bytes'] / 2**20:.2f}" + (f" = {top}" if top else ""))
+            top = ", ".join(
+                f"{k} {v / 2**20:.2f}" for k, v in list(mem["excess_by_parameter"].items())[:4] if v >= 2**10
+            )
+            print(
+                f"{name:12} {label:15} {mem['max_bytes_per_rank'] / 2**20:9.3f} "
+                f"{mem['ideal_bytes_per_rank'] / 2**20:7.3f} {mem['max_vs_ideal']:8.3f} "
+                f"{s['losses_first_fit'][0]:11.6f} {s['losses_first_fit'][-1]:11.6f}  "
+                f"{mem['excess_bytes'] / 2**20:.2f}" + (f" = {top}" if top else "")
+            )
     print()
     for name, r in results.items():
-        print(f"{name}: loss rel diff first step {r['first_loss_rel_diff']:.1e}, last step "
-              f"{r['last_loss_rel_diff']:.1e}; memory ratio {r['memory_ratio']:.4f}"
-              + (f"; hand TP plan == shipped plan: {r['hand_plan_matches_shipped']}"
-                 if "hand_plan_matches_shipped" in r else ""))
+        print(
+            f"{name}: loss rel diff first step {r['first_loss_rel_diff']:.1e}, last step "
+            f"{r['last_loss_rel_diff']:.1e}; memory ratio {r['memory_ratio']:.4f}"
+            + (
+                f"; hand TP plan == shipped plan: {r['hand_plan_matches_shipped']}"
+                if "hand_plan_matches_shipped" in r
+                else ""
+            )
+        )
         collectives = ", ".join(f"{label} {n}" for label, n in r["collectives_per_step_rank0"].items())
         differences = "; ".join(f"{k}: {a} vs {b}" for k, (a, b) in r["ops_differences_rank0"].items())
         print(f"  c10d collectives per step (rank 0): {collectives}; ops that differ: {differences or 'none'}")
@@ -416,17 +475,27 @@ def _print(results: dict[str, dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="fsdp2,tp2,fsdp2xtp2", help=f"comma-separated of {list(CONFIGS)}")
-    parser.add_argument("--control", default=None,
-                        help="configs also timed hybrid vs hybrid (A/A: the ratio's noise floor); default fsdp2, "
-                             "none with --quick; '' for none")
+    parser.add_argument(
+        "--control",
+        default=None,
+        help="configs also timed hybrid vs hybrid (A/A: the ratio's noise floor); default fsdp2, "
+        "none with --quick; '' for none",
+    )
     parser.add_argument("--repeats", type=int, default=6, help="fresh fits per strategy (alternating ABBA)")
-    parser.add_argument("--warmup-fits", type=int, default=1,
-                        help="untimed fits of each strategy first (the first fit in a process fills caches)")
+    parser.add_argument(
+        "--warmup-fits",
+        type=int,
+        default=1,
+        help="untimed fits of each strategy first (the first fit in a process fills caches)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per fit")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per fit")
     parser.add_argument("--global-batch", type=int, default=8, help="samples per step over all data-parallel ranks")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, 1 warm-up + 3 steps, 2-rank "
-                                                             "configs, no control; no JSON unless --output is given")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 2 repeats, 1 warm-up + 3 steps, 2-rank configs, no control; no JSON unless --output is given",
+    )
     parser.add_argument("--output", default=None, help=f"JSON path (default {DEFAULT_OUTPUT})")
     args = parser.parse_args()
     if args.quick:
@@ -452,24 +521,50 @@ def main() -> None:
         wall[name] = time.perf_counter() - start
         load[name]["after"] = os.getloadavg()
         results[name] = _summarise(config, pair, ranks, args)
-        print(f"{name}: {wall[name]:.0f} s (load average {load[name]['before'][0]:.1f} -> "
-              f"{load[name]['after'][0]:.1f})", flush=True)
+        print(
+            f"{name}: {wall[name]:.0f} s (load average {load[name]['before'][0]:.1f} -> {load[name]['after'][0]:.1f})",
+            flush=True,
+        )
     _print(results)
     if output is None:
         return
     import lightning
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "threads_per_rank": 1},
-        "versions": {"torch": torch.__version__, "lightning": lightning.__version__,
-                     "lightning_mm": lightning_mm.__version__},
-        "model": {"preset": "tiny", "model_overrides": MODEL_OVERRIDES, "vocab_size": VOCAB,
-                  "patch_size": PATCH_SIZE, "seed": SEED, "data_seed": DATA_SEED, "precision": "32-true",
-                  "optimizer": "AdamW (VLMModule.configure_optimizers, lr 1e-3, 2 warm-up steps)"},
-        "args": vars(args), "wall_s": wall, "load_average_1_5_15min": load, "results": results,
-    }, indent=1) + "\n")
+    output.write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "platform": platform.platform(),
+                    "processor": platform.processor(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "threads_per_rank": 1,
+                },
+                "versions": {
+                    "torch": torch.__version__,
+                    "lightning": lightning.__version__,
+                    "lightning_mm": lightning_mm.__version__,
+                },
+                "model": {
+                    "preset": "tiny",
+                    "model_overrides": MODEL_OVERRIDES,
+                    "vocab_size": VOCAB,
+                    "patch_size": PATCH_SIZE,
+                    "seed": SEED,
+                    "data_seed": DATA_SEED,
+                    "precision": "32-true",
+                    "optimizer": "AdamW (VLMModule.configure_optimizers, lr 1e-3, 2 warm-up steps)",
+                },
+                "args": vars(args),
+                "wall_s": wall,
+                "load_average_1_5_15min": load,
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {output}")
 
 

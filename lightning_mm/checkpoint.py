@@ -123,8 +123,9 @@ def load_sharded(
     """
     path = Path(path)
     if not is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"{str(path)!r} is not a sharded checkpoint directory (expected .metadata and "
-                                f"{METADATA_FILE} inside it)")
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a sharded checkpoint directory (expected .metadata and {METADATA_FILE} inside it)"
+        )
     model_state = {MODEL_KEY: get_model_state_dict(model)}
     dcp.load(model_state, checkpoint_id=path)
     set_model_state_dict(model, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
@@ -175,8 +176,10 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> dict[str, Any
     """
     checkpoint_dir, output = Path(checkpoint_dir), Path(output)
     if not is_sharded_checkpoint(checkpoint_dir):
-        raise FileNotFoundError(f"CKPT_DIR {str(checkpoint_dir)!r} is not a sharded checkpoint directory "
-                                f"(expected .metadata and {METADATA_FILE} inside it)")
+        raise FileNotFoundError(
+            f"CKPT_DIR {str(checkpoint_dir)!r} is not a sharded checkpoint directory "
+            f"(expected .metadata and {METADATA_FILE} inside it)"
+        )
     if output.is_dir():
         raise IsADirectoryError(f"OUT {str(output)!r} is a directory; give a file name such as model.ckpt")
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +204,7 @@ def consolidate_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-mm consolidate",
         description="Write a sharded (DCP) checkpoint directory as one checkpoint file that a single-device "
-                    "Trainer or LightningModule.load_from_checkpoint can read.",
+        "Trainer or LightningModule.load_from_checkpoint can read.",
     )
     parser.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="directory written by HybridParallelStrategy")
     parser.add_argument("output", metavar="OUT", help="output file, e.g. model.ckpt")
@@ -212,6 +215,7 @@ def consolidate_main(argv: Sequence[str]) -> int:
         parser.exit(2, f"lightning-mm consolidate: error: {error}\n")
     mesh = topology.get("mesh", {})
     source = " x ".join(f"{name}{size}" for name, size in mesh.items() if size > 1) or "1 process"
-    print(f"wrote {args.output} from {args.checkpoint_dir} (saved on {topology.get('world_size', '?')} ranks: "
-          f"{source})")
+    print(
+        f"wrote {args.output} from {args.checkpoint_dir} (saved on {topology.get('world_size', '?')} ranks: {source})"
+    )
     return 0

@@ -1,8 +1,8 @@
 """``lightning-mm``: LightningCLI for fit / validate / test, plus ``make-shards`` and ``consolidate``.
 
-    lightning-mm fit --config examples/configs/default.yaml
-    lightning-mm make-shards --preset tiny --output-dir /tmp/shards
-    lightning-mm consolidate CKPT_DIR OUT.ckpt
+lightning-mm fit --config examples/configs/default.yaml
+lightning-mm make-shards --preset tiny --output-dir /tmp/shards
+lightning-mm consolidate CKPT_DIR OUT.ckpt
 """
 
 from __future__ import annotations

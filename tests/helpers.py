@@ -17,8 +17,14 @@ __all__ = ["LossRecorder", "free_port", "random_samples", "run_distributed", "sh
 
 
 def random_samples(
-    count: int, patch_size: int = 16, vocab_size: int = 512, seed: int = 0, missing_every: int = 5,
-    patches: tuple[int, int] = (1, 20), tokens: tuple[int, int] = (3, 14), grid: int = 6,
+    count: int,
+    patch_size: int = 16,
+    vocab_size: int = 512,
+    seed: int = 0,
+    missing_every: int = 5,
+    patches: tuple[int, int] = (1, 20),
+    tokens: tuple[int, int] = (3, 14),
+    grid: int = 6,
 ) -> list[PatchedSample]:
     """Samples with ``patches`` / ``tokens`` counts drawn from ``[low, high)``, patch positions in a ``grid`` x
     ``grid`` square; every ``missing_every``-th sample has no image."""
@@ -28,12 +34,14 @@ def random_samples(
         missing = missing_every and i % missing_every == missing_every - 1
         n = 0 if missing else int(torch.randint(*patches, (1,), generator=gen))
         length = int(torch.randint(*tokens, (1,), generator=gen))
-        samples.append(PatchedSample(
-            sample_id=i,
-            patches=torch.rand(n, 3 * patch_size**2, generator=gen) * 2 - 1,
-            patch_pos=torch.randint(0, grid, (n, 2), generator=gen),
-            tokens=torch.randint(4, vocab_size, (length,), generator=gen),
-        ))
+        samples.append(
+            PatchedSample(
+                sample_id=i,
+                patches=torch.rand(n, 3 * patch_size**2, generator=gen) * 2 - 1,
+                patch_pos=torch.randint(0, grid, (n, 2), generator=gen),
+                tokens=torch.randint(4, vocab_size, (length,), generator=gen),
+            )
+        )
     return samples
 
 

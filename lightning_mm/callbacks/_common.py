@@ -34,8 +34,9 @@ def _all_gather_objects(value: Any) -> list[Any]:
     return out
 
 
-def _log_rows(trainer: L.Trainer, pl_module: L.LightningModule, key: str, columns: list[str],
-              rows: list[list[Any]]) -> None:
+def _log_rows(
+    trainer: L.Trainer, pl_module: L.LightningModule, key: str, columns: list[str], rows: list[list[Any]]
+) -> None:
     """A small table: a W&B Table ``<key>/table`` with a ``WandbLogger``, otherwise one scalar per numeric cell
     (``<key>/<first column>_<value>/<column>``, e.g. ``grad_consistency/rank_1/grad_norm``).
 

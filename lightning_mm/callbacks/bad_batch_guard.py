@@ -102,8 +102,11 @@ class BadBatchGuard(L.Callback):
     ) -> None:
         if spike_factor is not None and not spike_factor > 1:
             raise ValueError(f"spike_factor must be > 1 (or None to disable spike detection), got {spike_factor!r}")
-        for name, value in (("spike_window", spike_window), ("min_history", min_history),
-                            ("max_consecutive_skips", max_consecutive_skips)):
+        for name, value in (
+            ("spike_window", spike_window),
+            ("min_history", min_history),
+            ("max_consecutive_skips", max_consecutive_skips),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if min_history > spike_window:
@@ -156,22 +159,27 @@ class BadBatchGuard(L.Callback):
                 # which is as unusable).
                 norm = torch.nn.utils.get_total_norm(grads)
                 grads_finite = torch.isfinite(norm).to(device=device, dtype=torch.float64)
-        loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=torch.float64,
-                                                                                 device=device)
+        loss_sum = self._loss_sum if self._loss_sum is not None else torch.zeros((), dtype=torch.float64, device=device)
         # (loss sum, losses seen, loss finite, gradients finite) per rank, built on the device so that the gather
         # below is the step's only host sync. A rank that saw no loss (a pipeline stage other than the last, if its
         # backward bypasses Lightning's) is left out of the loss checks.
-        mine = torch.stack([loss_sum.to(device), torch.tensor(float(self._loss_count), dtype=torch.float64,
-                                                              device=device),
-                            torch.isfinite(loss_sum).to(device=device, dtype=torch.float64), grads_finite])
+        mine = torch.stack(
+            [
+                loss_sum.to(device),
+                torch.tensor(float(self._loss_count), dtype=torch.float64, device=device),
+                torch.isfinite(loss_sum).to(device=device, dtype=torch.float64),
+                grads_finite,
+            ]
+        )
         table = mine
         if _world() > 1:
             table = mine.new_empty(_world() * 4)  # gloo wants the ranks concatenated along dim 0
             dist.all_gather_single(table, mine)
         table = table.view(-1, 4).cpu()
         with_loss = [r for r in range(len(table)) if table[r, 1] > 0]
-        global_loss = (float(torch.stack([table[r, 0] / table[r, 1] for r in with_loss]).mean()) if with_loss
-                       else math.nan)
+        global_loss = (
+            float(torch.stack([table[r, 0] / table[r, 1] for r in with_loss]).mean()) if with_loss else math.nan
+        )
         bad_loss = [r for r in with_loss if self.check_loss and not table[r, 2]]
         bad_grads = [r for r in range(len(table)) if self.check_grads and not table[r, 3]]
         median = statistics.median(self.history) if self.history else math.nan
@@ -180,8 +188,12 @@ class BadBatchGuard(L.Callback):
             reason = "non-finite loss"
         elif bad_grads:
             reason = "non-finite gradient"
-        elif (self.spike_factor is not None and with_loss and len(self.history) >= self.min_history
-              and global_loss > self.spike_factor * median):
+        elif (
+            self.spike_factor is not None
+            and with_loss
+            and len(self.history) >= self.min_history
+            and global_loss > self.spike_factor * median
+        ):
             reason = f"loss spike (> {self.spike_factor:g} x median)"
 
         if reason is None:
@@ -201,32 +213,60 @@ class BadBatchGuard(L.Callback):
                 f"BadBatchGuard: {self.consecutive_skips} optimizer steps in a row were skipped (last: step "
                 f"{trainer.global_step}, {reason}); training is diverging or the data is broken. The skipped batches' "
                 f"sample ids are in {self._log_path}. Lower the learning rate, fix the data, or raise "
-                "max_consecutive_skips.")
+                "max_consecutive_skips."
+            )
 
-    def _record(self, trainer: L.Trainer, pl_module: L.LightningModule, reason: str, loss: float, median: float,
-                ranks: list[int]) -> None:
+    def _record(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        reason: str,
+        loss: float,
+        median: float,
+        ranks: list[int],
+    ) -> None:
         ids = _all_gather_objects(self._sample_ids)  # every rank is here: they all skip together
-        record = {"step": trainer.global_step, "epoch": trainer.current_epoch, "reason": reason,
-                  "loss": _json_float(loss), "median": _json_float(median), "ranks": ranks,
-                  "sample_ids": {str(rank): rank_ids for rank, rank_ids in enumerate(ids)}}
+        record = {
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "reason": reason,
+            "loss": _json_float(loss),
+            "median": _json_float(median),
+            "ranks": ranks,
+            "sample_ids": {str(rank): rank_ids for rank, rank_ids in enumerate(ids)},
+        }
         self.skipped.append(record)
         if trainer.global_rank == 0:
             path = self._log_path
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as file:
                 file.write(json.dumps(record) + "\n")
-            log.warning("BadBatchGuard: skipped step %d (%s; loss %s, median %s, ranks %s); sample ids -> %s",
-                        trainer.global_step, reason, loss, median, ranks, path)
+            log.warning(
+                "BadBatchGuard: skipped step %d (%s; loss %s, median %s, ranks %s); sample ids -> %s",
+                trainer.global_step,
+                reason,
+                loss,
+                median,
+                ranks,
+                path,
+            )
         if isinstance(trainer.logger, WandbLogger):
             rows = [[record["step"], reason, rank, json.dumps(rank_ids)] for rank, rank_ids in enumerate(ids)]
-            trainer.logger.log_table(key="guard/skipped_batches", columns=["step", "reason", "rank", "sample_ids"],
-                                     data=rows, step=trainer.global_step)
+            trainer.logger.log_table(
+                key="guard/skipped_batches",
+                columns=["step", "reason", "rank", "sample_ids"],
+                data=rows,
+                step=trainer.global_step,
+            )
 
     # ------------------------------------------------------------------------- checkpoint state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "consecutive_skips": self.consecutive_skips,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "history": list(self.history),
+            "consecutive_skips": self.consecutive_skips,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = deque(state_dict.get("history", []), maxlen=self.spike_window)

@@ -31,8 +31,15 @@ __all__ = ["CompressedAllToAll"]
 
 _TARGETS = ("grad", "moe")
 # Optimizers with per-element adaptive step sizes; see _warn_adaptive_topk.
-_ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
-                        torch.optim.Adagrad, torch.optim.RMSprop)
+_ADAPTIVE_OPTIMIZERS = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adamax,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+)
 _STATE_VERSION = 1
 
 
@@ -130,8 +137,9 @@ class CompressedAllToAll(pl.Callback):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         # CodecConfig validates the codec arguments with errors that use these same names.
-        self.config = CodecConfig(bits=bits, block_size=block_size, topk_ratio=topk_ratio, scale_dtype=scale_dtype,
-                                  min_numel=min_numel)
+        self.config = CodecConfig(
+            bits=bits, block_size=block_size, topk_ratio=topk_ratio, scale_dtype=scale_dtype, min_numel=min_numel
+        )
         if error_feedback and "grad" not in targets:
             raise ValueError(
                 f"CompressedAllToAll(error_feedback=True, targets={targets!r}): error feedback applies to the 'grad' "
@@ -189,8 +197,9 @@ class CompressedAllToAll(pl.Callback):
         """Warn when Top-k gradients feed an adaptive optimizer: measured to train much worse (README)."""
         if self.config.topk_ratio >= 1.0:
             return
-        adaptive = sorted({type(o).__name__ for o in getattr(trainer, "optimizers", [])
-                           if isinstance(o, _ADAPTIVE_OPTIMIZERS)})
+        adaptive = sorted(
+            {type(o).__name__ for o in getattr(trainer, "optimizers", []) if isinstance(o, _ADAPTIVE_OPTIMIZERS)}
+        )
         if adaptive:
             rank_zero_warn(
                 f"CompressedAllToAll(topk_ratio={self.config.topk_ratio}) feeds {', '.join(adaptive)}: Top-k sends "
@@ -202,15 +211,17 @@ class CompressedAllToAll(pl.Callback):
             )
 
     def _install_moe(self, pl_module: pl.LightningModule) -> None:
-        dispatchers = [m.dispatcher for m in expert_modules(pl_module)
-                       if getattr(m, "dispatcher", None) is not None]
+        dispatchers = [m.dispatcher for m in expert_modules(pl_module) if getattr(m, "dispatcher", None) is not None]
         if not dispatchers:
-            raise RuntimeError("CompressedAllToAll(targets=('moe',)): the model has no expert-parallel expert module "
-                               "(ModalityExperts with a dispatcher) after the strategy's setup")
+            raise RuntimeError(
+                "CompressedAllToAll(targets=('moe',)): the model has no expert-parallel expert module "
+                "(ModalityExperts with a dispatcher) after the strategy's setup"
+            )
         for dispatcher in dispatchers:
             if dispatcher.codec is not None and dispatcher.codec is not self.moe_codec:
-                raise RuntimeError("CompressedAllToAll: the expert dispatcher already has a codec (two 'moe' "
-                                   "callbacks?); use one")
+                raise RuntimeError(
+                    "CompressedAllToAll: the expert dispatcher already has a codec (two 'moe' callbacks?); use one"
+                )
             dispatcher.codec = self.moe_codec
         self.moe_dispatchers = dispatchers
         self.moe_codec.reset()
@@ -247,8 +258,10 @@ class CompressedAllToAll(pl.Callback):
             return
         data_parallel = getattr(trainer.strategy, "data_parallel_size", trainer.world_size)
         if data_parallel == 1:
-            rank_zero_warn("CompressedAllToAll: no data-parallel gradient sync to compress (one data-parallel rank); "
-                           "the callback does nothing")
+            rank_zero_warn(
+                "CompressedAllToAll: no data-parallel gradient sync to compress (one data-parallel rank); "
+                "the callback does nothing"
+            )
             return
         raise RuntimeError(
             f"CompressedAllToAll(targets=('grad',)) compresses the gradient sync of DDP (strategy='ddp') or FSDP2 "
@@ -273,8 +286,9 @@ class CompressedAllToAll(pl.Callback):
             return self.config.topk_ratio
         return self.config.topk_ratio ** ((since + 1) / self.sparsity_warmup_steps)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # global_step is the same on every rank, so all ranks switch on and ramp at the same step (they must agree:
         # an uncompressed rank would run a plain all-reduce against its peers' compressed exchange).
         ratio = self.topk_ratio_at(trainer.global_step)
@@ -284,8 +298,9 @@ class CompressedAllToAll(pl.Callback):
         self.moe_codec.active = self.state.active
         self.moe_codec.reset()  # drop validation traffic: the moe counters cover one training step
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         moe = self.moe_codec.stats
         if self.moe_dispatchers and moe.calls + moe.uncompressed_calls:
             pl_module.log_dict(self.moe_metrics(), on_step=True, on_epoch=False, batch_size=1)
@@ -297,8 +312,10 @@ class CompressedAllToAll(pl.Callback):
         stats.reset()
         resets = self.state.feedback.resets + self.state.gather_feedback.resets
         if resets:
-            rank_zero_warn(f"CompressedAllToAll: residuals of {sorted(set(resets))[:5]} had another shape than the "
-                           "gradients (checkpoint from another model or layout) and restarted from zero")
+            rank_zero_warn(
+                f"CompressedAllToAll: residuals of {sorted(set(resets))[:5]} had another shape than the "
+                "gradients (checkpoint from another model or layout) and restarted from zero"
+            )
             self.state.feedback.resets.clear()
             self.state.gather_feedback.resets.clear()
 
@@ -317,8 +334,11 @@ class CompressedAllToAll(pl.Callback):
 
     def metrics(self) -> dict[str, float]:
         """What :meth:`on_train_batch_end` logs, from the counters of the current step."""
-        return {**self._stats_metrics("", self.state.stats), "compression/active": float(self.state.active),
-                "compression/topk_ratio": self.state.config.topk_ratio if self.state.active else 1.0}
+        return {
+            **self._stats_metrics("", self.state.stats),
+            "compression/active": float(self.state.active),
+            "compression/topk_ratio": self.state.config.topk_ratio if self.state.active else 1.0,
+        }
 
     def moe_metrics(self) -> dict[str, float]:
         """The ``compression/moe_*`` values :meth:`on_train_batch_end` logs (expert dispatch / combine)."""
@@ -351,13 +371,18 @@ class CompressedAllToAll(pl.Callback):
             return
         world, rank = _world(), _rank()
         if len(by_rank) != world:
-            rank_zero_warn(f"CompressedAllToAll: the checkpoint holds error-feedback residuals of {len(by_rank)} "
-                           f"rank(s), this run has {world}; residuals restart from zero")
+            rank_zero_warn(
+                f"CompressedAllToAll: the checkpoint holds error-feedback residuals of {len(by_rank)} "
+                f"rank(s), this run has {world}; residuals restart from zero"
+            )
             return
         self.state.load_residual_state(by_rank[rank])
 
     def residual_norm(self) -> float:
         """L2 norm of this rank's residuals (all keys); 0 without error feedback."""
-        norms = [r.float().norm() ** 2 for fb in (self.state.feedback, self.state.gather_feedback)
-                 for r in fb.state_dict().values()]
+        norms = [
+            r.float().norm() ** 2
+            for fb in (self.state.feedback, self.state.gather_feedback)
+            for r in fb.state_dict().values()
+        ]
         return float(torch.stack(norms).sum().sqrt()) if norms else 0.0

@@ -44,16 +44,24 @@ def _replica_key(tensor: torch.Tensor) -> tuple:
         return ()
     mesh = tensor.device_mesh
     names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
-    return tuple((names[d], mesh.get_local_rank(d)) for d, placement in enumerate(tensor.placements)
-                 if not placement.is_replicate())
+    return tuple(
+        (names[d], mesh.get_local_rank(d))
+        for d, placement in enumerate(tensor.placements)
+        if not placement.is_replicate()
+    )
 
 
 def _parameter_layout(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """What determines every local gradient's shape and dtype: name, global and local shape, dtype, placements."""
     layout = {}
     for name, param in module.named_parameters():
-        entry = {"shape": list(param.shape), "dtype": str(param.dtype), "requires_grad": param.requires_grad,
-                 "local_shape": list(_local(param).shape), "replica": list(_replica_key(param))}
+        entry = {
+            "shape": list(param.shape),
+            "dtype": str(param.dtype),
+            "requires_grad": param.requires_grad,
+            "local_shape": list(_local(param).shape),
+            "replica": list(_replica_key(param)),
+        }
         if isinstance(param, DTensor):
             entry["placements"] = [str(p) for p in param.placements]
             entry["mesh"] = list(param.device_mesh.mesh.shape)
@@ -61,8 +69,9 @@ def _parameter_layout(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
     return layout
 
 
-def compare_layouts(layouts: list[dict[str, dict[str, Any]]],
-                    replica_groups: list[list[int]] | None = None) -> list[str]:
+def compare_layouts(
+    layouts: list[dict[str, dict[str, Any]]], replica_groups: list[list[int]] | None = None
+) -> list[str]:
     """Differences between the parameter layouts of all ranks (index = rank), one readable line each.
 
     Global shape, dtype, ``requires_grad`` and placements of a parameter must agree on every rank that holds it;
@@ -77,8 +86,9 @@ def compare_layouts(layouts: list[dict[str, dict[str, Any]]],
             if set(layouts[rank]) != set(layouts[first]):
                 missing = sorted(set(layouts[first]) - set(layouts[rank]))
                 extra = sorted(set(layouts[rank]) - set(layouts[first]))
-                problems.append(f"rank {rank} has different parameters than rank {first}: missing {missing[:3]}, "
-                                f"extra {extra[:3]}")
+                problems.append(
+                    f"rank {rank} has different parameters than rank {first}: missing {missing[:3]}, extra {extra[:3]}"
+                )
     holders: dict[str, list[int]] = {}
     for rank, layout in enumerate(layouts):
         for name in layout:
@@ -90,15 +100,19 @@ def compare_layouts(layouts: list[dict[str, dict[str, Any]]],
             entry = layouts[rank][name]
             for field in ("shape", "dtype", "requires_grad", "placements", "mesh"):
                 if entry.get(field) != reference.get(field):
-                    problems.append(f"{name}: {field} is {entry.get(field)} on rank {rank}, "
-                                    f"{reference.get(field)} on rank {ranks[0]}")
+                    problems.append(
+                        f"{name}: {field} is {entry.get(field)} on rank {rank}, "
+                        f"{reference.get(field)} on rank {ranks[0]}"
+                    )
         by_replica: dict[str, tuple[int, list[int]]] = {}
         for rank in ranks:
             entry = layouts[rank][name]
             first_holder = by_replica.setdefault(json.dumps(entry["replica"]), (rank, entry["local_shape"]))
             if first_holder[1] != entry["local_shape"]:
-                problems.append(f"{name}: local shape {entry['local_shape']} on rank {rank}, {first_holder[1]} on "
-                                f"rank {first_holder[0]} (same shard)")
+                problems.append(
+                    f"{name}: local shape {entry['local_shape']} on rank {rank}, {first_holder[1]} on "
+                    f"rank {first_holder[0]} (same shard)"
+                )
     return problems
 
 
@@ -150,8 +164,9 @@ def fingerprint_error(value: dict[str, Any] | None, reference: dict[str, Any] | 
     return max(errors)
 
 
-def compare_gradients(per_rank: list[dict[str, dict[str, Any] | None]], rtol: float) -> tuple[
-        list[dict[str, Any]], list[dict[str, Any]]]:
+def compare_gradients(
+    per_rank: list[dict[str, dict[str, Any] | None]], rtol: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Compare every replicated gradient across the ranks that hold a copy of it.
 
     Args:
@@ -189,13 +204,22 @@ def compare_gradients(per_rank: list[dict[str, dict[str, Any] | None]], rtol: fl
             error = fingerprint_error(fp, ref)
             worst[rank] = max(worst[rank], error)
             if error > rtol:
-                mismatches.append({"rank": rank, "reference_rank": ref_rank, "param": name, "rel_error": error,
-                                   "norm": fp["norm"] if fp else None, "reference_norm": ref["norm"] if ref else None})
+                mismatches.append(
+                    {
+                        "rank": rank,
+                        "reference_rank": ref_rank,
+                        "param": name,
+                        "rel_error": error,
+                        "norm": fp["norm"] if fp else None,
+                        "reference_norm": ref["norm"] if ref else None,
+                    }
+                )
     rows = []
     for rank, grads in enumerate(per_rank):
         squares = sum(fp["norm"] ** 2 for fp in grads.values() if fp is not None)
-        rows.append({"rank": rank, "grad_norm": math.sqrt(squares), "rel_error": worst[rank],
-                     "ok": worst[rank] <= rtol})
+        rows.append(
+            {"rank": rank, "grad_norm": math.sqrt(squares), "rel_error": worst[rank], "ok": worst[rank] <= rtol}
+        )
     mismatches.sort(key=lambda m: (m["rank"], -m["rel_error"]))
     return rows, mismatches
 
@@ -239,8 +263,9 @@ class GradientConsistencyCheck(L.Callback):
     The latest result stays in ``last_rows`` / ``last_mismatches``.
     """
 
-    def __init__(self, every_n_steps: int = 100, rtol: float = 1e-6,
-                 on_mismatch: Literal["warn", "error"] = "warn") -> None:
+    def __init__(
+        self, every_n_steps: int = 100, rtol: float = 1e-6, on_mismatch: Literal["warn", "error"] = "warn"
+    ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}")
         if not rtol >= 0:
@@ -260,29 +285,38 @@ class GradientConsistencyCheck(L.Callback):
         if problems:
             raise GradientMismatchError(
                 "GradientConsistencyCheck: the ranks hold differently shaped models, so their gradients cannot be "
-                "reduced: " + "; ".join(problems[:10]) + (f" (+{len(problems) - 10} more)" if len(problems) > 10
-                                                           else ""))
+                "reduced: "
+                + "; ".join(problems[:10])
+                + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else "")
+            )
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         if _world() == 1 or trainer.global_step % self.every_n_steps:
             return
-        mine = {name: _fingerprint(param.grad) for name, param in pl_module.named_parameters()
-                if param.requires_grad}
+        mine = {name: _fingerprint(param.grad) for name, param in pl_module.named_parameters() if param.requires_grad}
         rows, mismatches = compare_gradients(_all_gather_objects(mine), self.rtol)
         self.last_rows, self.last_mismatches = rows, mismatches
         columns = ["rank", "grad_norm", "rel_error", "ok"]
         _log_rows(trainer, pl_module, "grad_consistency", columns, [[row[c] for c in columns] for row in rows])
-        pl_module.log("grad_consistency/max_rel_error", max(row["rel_error"] for row in rows), on_step=True,
-                      on_epoch=False, batch_size=1)
+        pl_module.log(
+            "grad_consistency/max_rel_error",
+            max(row["rel_error"] for row in rows),
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
         if not mismatches:
             return
         shown = "; ".join(
             f"rank {m['rank']}: {m['param']} (relative error {m['rel_error']:.3g} > rtol {self.rtol:g}; grad norm "
             f"{_norm_text(m['norm'])} vs {_norm_text(m['reference_norm'])} on rank {m['reference_rank']})"
-            for m in mismatches[:5])
+            for m in mismatches[:5]
+        )
         more = f" (+{len(mismatches) - 5} more)" if len(mismatches) > 5 else ""
-        message = (f"GradientConsistencyCheck: step {trainer.global_step}: gradients differ between replicas after "
-                   f"the reduction: {shown}{more}")
+        message = (
+            f"GradientConsistencyCheck: step {trainer.global_step}: gradients differ between replicas after "
+            f"the reduction: {shown}{more}"
+        )
         if self.on_mismatch == "error":
             raise GradientMismatchError(message)  # on every rank: the gathered result is the same everywhere
         if trainer.global_rank == 0:

@@ -34,8 +34,10 @@ class PipelineTimeline(L.Callback):
             return
         record = getattr(trainer.strategy, "record_timeline", None)
         if record is None:
-            raise ValueError(f"PipelineTimeline needs HybridParallelStrategy(pipeline_parallel > 1), the trainer uses "
-                             f"{type(trainer.strategy).__name__}")
+            raise ValueError(
+                f"PipelineTimeline needs HybridParallelStrategy(pipeline_parallel > 1), the trainer uses "
+                f"{type(trainer.strategy).__name__}"
+            )
         if self.path is None:
             self.path = Path(trainer.default_root_dir) / f"pipeline_timeline_step{self.step}.png"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +56,10 @@ class PipelineTimeline(L.Callback):
     def _log_image(self, trainer: L.Trainer) -> None:
         for logger in trainer.loggers:
             if hasattr(logger, "log_image") and self.path is not None and self.path.is_file():
-                caption = (f"{self.timeline['schedule']} pp={self.timeline['pp']} m={self.timeline['microbatches']}: "
-                           f"idle {self.timeline['idle_fraction']:.2f} (theory {self.timeline['theory']:.2f})")
-                logger.log_image("pipeline/timeline", images=[str(self.path)], caption=[caption],
-                                 step=trainer.global_step)
+                caption = (
+                    f"{self.timeline['schedule']} pp={self.timeline['pp']} m={self.timeline['microbatches']}: "
+                    f"idle {self.timeline['idle_fraction']:.2f} (theory {self.timeline['theory']:.2f})"
+                )
+                logger.log_image(
+                    "pipeline/timeline", images=[str(self.path)], caption=[caption], step=trainer.global_step
+                )

@@ -24,8 +24,19 @@ __all__ = ["RankWatchdog"]
 _DONE = 1 << 40
 """Added to a rank's heartbeat counter when it leaves the fit normally: peers stop watching it."""
 
-_COMM_ERROR_HINTS = ("connection closed", "connection reset", "broken pipe", "connection refused", "timed out",
-                     "timeout", "gloo", "nccl", "socket", "distbackenderror", "peer")
+_COMM_ERROR_HINTS = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "connection refused",
+    "timed out",
+    "timeout",
+    "gloo",
+    "nccl",
+    "socket",
+    "distbackenderror",
+    "peer",
+)
 
 
 def _node_id() -> str | None:
@@ -88,13 +99,18 @@ class RankWatchdog(L.Callback):
     _fits = 0  # fits set up in this process; part of the store prefix so consecutive fits never share keys
 
     def __init__(self, heartbeat_interval: float = 1.0, peer_timeout: float = 60.0, grace: float = 5.0) -> None:
-        for name, value in (("heartbeat_interval", heartbeat_interval), ("peer_timeout", peer_timeout),
-                            ("grace", grace)):
+        for name, value in (
+            ("heartbeat_interval", heartbeat_interval),
+            ("peer_timeout", peer_timeout),
+            ("grace", grace),
+        ):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
         if peer_timeout < 3 * heartbeat_interval:
-            raise ValueError(f"peer_timeout ({peer_timeout}) must be >= 3 x heartbeat_interval "
-                             f"({heartbeat_interval}), or a busy but healthy rank looks frozen")
+            raise ValueError(
+                f"peer_timeout ({peer_timeout}) must be >= 3 x heartbeat_interval "
+                f"({heartbeat_interval}), or a busy but healthy rank looks frozen"
+            )
         self.heartbeat_interval = heartbeat_interval
         self.peer_timeout = peer_timeout
         self.grace = grace
@@ -117,14 +133,18 @@ class RankWatchdog(L.Callback):
         host = env.main_address if env is not None else os.environ["MASTER_ADDR"]
         port = env.main_port if env is not None else int(os.environ["MASTER_PORT"])
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        self._store_desc = (f"the torchrun agent's store at {host}:{port}" if agent_store
-                            else f"rank 0, which hosts the rendezvous store at {host}:{port}")
+        self._store_desc = (
+            f"the torchrun agent's store at {host}:{port}"
+            if agent_store
+            else f"rank 0, which hosts the rendezvous store at {host}:{port}"
+        )
         RankWatchdog._fits += 1
         prefix = f"lightning_mm/rank_watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{RankWatchdog._fits}/"
         # The timeout bounds the wait for the peers' info below (ranks reach setup after their DataModule's setup) and
         # any heartbeat against a store whose host vanished without closing the connection.
-        base = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=max(60.0, self.peer_timeout)))
+        base = dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=max(60.0, self.peer_timeout))
+        )
         self._store = dist.PrefixStore(prefix, base)
         self._rank, world = _rank(), _world()
         self._peers = [r for r in range(world) if r != self._rank]
@@ -195,17 +215,25 @@ class RankWatchdog(L.Callback):
                 lost = self._dead_on_this_host(beats)
                 stale = [r for r in self._peers if beats[r] < _DONE and now - changed[r] > self.peer_timeout]
                 if lost is None and stale:
-                    lost = (f"lost rank {stale[0]}: no heartbeat for {now - changed[stale[0]]:.0f} s "
-                            f"(frozen, or its host is down)")
+                    lost = (
+                        f"lost rank {stale[0]}: no heartbeat for {now - changed[stale[0]]:.0f} s "
+                        f"(frozen, or its host is down)"
+                    )
             if lost is None:
                 continue
             self.lost = f"RankWatchdog (rank {self._rank}): {lost}"
-            print(f"{self.lost}; stopping this rank in {self.grace:g} s unless it fails first", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{self.lost}; stopping this rank in {self.grace:g} s unless it fails first",
+                file=sys.stderr,
+                flush=True,
+            )
             if self._stop.wait(self.grace):
                 return  # the main thread failed (on_exception) or finished: it reports and exits itself
-            print(f"{self.lost}; the main thread is still blocked in a collective: exiting with code 1",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.lost}; the main thread is still blocked in a collective: exiting with code 1",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
 
     def _identify(self) -> str | None:
@@ -234,8 +262,9 @@ class RankWatchdog(L.Callback):
         if self._store is None:
             return
         self._halt()
-        if self.lost is None and any(hint in f"{type(exception).__name__} {exception}".lower()
-                                     for hint in _COMM_ERROR_HINTS):
+        if self.lost is None and any(
+            hint in f"{type(exception).__name__} {exception}".lower() for hint in _COMM_ERROR_HINTS
+        ):
             found = self._identify()
             if found is not None:
                 self.lost = f"RankWatchdog (rank {self._rank}): {found}"

@@ -52,8 +52,9 @@ def load_manifest(data_dir: str | None, synthetic_preset: str) -> EmbeddedDatase
     root = Path(data_dir) if data_dir else ensure_synthetic_shards(synthetic_preset)
     manifest_path = root / "manifest.json"
     if not manifest_path.is_file():
-        raise FileNotFoundError(f"data_dir: no manifest.json in {str(root)!r} (write one with "
-                                "`lightning-mm make-shards --output-dir ...`)")
+        raise FileNotFoundError(
+            f"data_dir: no manifest.json in {str(root)!r} (write one with `lightning-mm make-shards --output-dir ...`)"
+        )
     manifest = json.loads(manifest_path.read_text())
     splits = manifest["splits"]
     return EmbeddedDataset(

@@ -347,9 +347,7 @@ def index_shard(
                 close_group()
 
     if damage is not None:
-        errors.error(
-            "tar_truncated", url, group_key, f"{damage}; keeping the {len(records)} sample(s) read before it"
-        )
+        errors.error("tar_truncated", url, group_key, f"{damage}; keeping the {len(records)} sample(s) read before it")
     elif groups_seen == 0:
         errors.error("shard_empty", url, None, "the tar has no samples")
     return records

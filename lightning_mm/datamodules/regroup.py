@@ -139,9 +139,7 @@ def _bucket_batches(
         yield from _cut_buffer(buffer, budgets, rng)
 
 
-def _cut_buffer(
-    buffer: list[_Entry], budgets: dict[str, int], rng: random.Random
-) -> list[list[PatchedSample]]:
+def _cut_buffer(buffer: list[_Entry], budgets: dict[str, int], rng: random.Random) -> list[list[PatchedSample]]:
     patch_budget, token_budget = budgets.values()
     buffer = sorted(buffer, key=lambda e: sample_cost(e[1], e[2], patch_budget, token_budget))
     batches: list[list[PatchedSample]] = []
@@ -362,9 +360,7 @@ def _balanced_fit(pool: list[_Entry], patch_budget: int, token_budget: int) -> l
             else:
                 queues = (token_heavy, patch_heavy)
             for queue in queues:
-                index = next(
-                    (i for i, (_, p, t) in enumerate(queue) if p <= patches_left and t <= tokens_left), None
-                )
+                index = next((i for i, (_, p, t) in enumerate(queue) if p <= patches_left and t <= tokens_left), None)
                 if index is not None:
                     break
             else:  # nothing left fits this row; every sample fits an empty row, so the loop advances

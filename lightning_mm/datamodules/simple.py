@@ -39,7 +39,6 @@ from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collat
 __all__ = ["SimpleImageTextDataModule", "count_samples"]
 
 
-
 def count_samples(shard: str) -> int:
     """Samples (distinct ``__key__`` prefixes) in a local tar shard, from its headers only."""
     keys = set()
@@ -151,8 +150,9 @@ class _ShardStream(IterableDataset):
             positions = torch.zeros(0, 2, dtype=torch.long)
         else:
             # The baseline has no skip policy: a bad image raises BadSampleError naming shard and key.
-            image = load_rgb_image(sample[image_key], sample.get("__url__", "?"), sample.get("__key__"),
-                                   ErrorLog("raise"))
+            image = load_rgb_image(
+                sample[image_key], sample.get("__url__", "?"), sample.get("__key__"), ErrorLog("raise")
+            )
             patches, positions = patchify(image, self.patch_size, self.max_patches_per_image)
         tokens = self.tokenizer.encode(text, self.max_text_tokens)
         return PatchedSample(sample["__sample_id__"], patches, positions, tokens)
@@ -234,9 +234,12 @@ class SimpleImageTextDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         for name, value, low in (
-            ("batch_size", batch_size, 1), ("patch_size", patch_size, 1),
-            ("max_patches_per_image", max_patches_per_image, 1), ("max_text_tokens", max_text_tokens, 2),
-            ("shuffle_buffer", shuffle_buffer, 1), ("num_workers", num_workers, 0),
+            ("batch_size", batch_size, 1),
+            ("patch_size", patch_size, 1),
+            ("max_patches_per_image", max_patches_per_image, 1),
+            ("max_text_tokens", max_text_tokens, 2),
+            ("shuffle_buffer", shuffle_buffer, 1),
+            ("num_workers", num_workers, 0),
         ):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -296,8 +299,19 @@ class SimpleImageTextDataModule(L.LightningDataModule):
         rank, world = self._data_parallel_rank_and_size()
         hp = self.hparams
         dataset = _ShardStream(
-            urls, sizes, self._tokenizer, batch_size, self.patch_size, self.max_patches_per_image,
-            self.max_text_tokens, shuffle, hp.shuffle_buffer, hp.seed, rank, world, hp.num_workers,
+            urls,
+            sizes,
+            self._tokenizer,
+            batch_size,
+            self.patch_size,
+            self.max_patches_per_image,
+            self.max_text_tokens,
+            shuffle,
+            hp.shuffle_buffer,
+            hp.seed,
+            rank,
+            world,
+            hp.num_workers,
         )
         if len(dataset) == 0:
             raise ValueError(

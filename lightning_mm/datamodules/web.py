@@ -94,8 +94,15 @@ def _stand_in(index: int, num_patches: int, num_tokens: int) -> PatchedSample:
 class _PlannedSplit(IterableDataset):
     """Plans and loads one split for one data-parallel rank (see the module docstring)."""
 
-    def __init__(self, records: list[SampleRecord], lengths: list[tuple[int, int]], owner: ImageTextWebDataModule,
-                 shuffle: bool, rank: int, world: int) -> None:
+    def __init__(
+        self,
+        records: list[SampleRecord],
+        lengths: list[tuple[int, int]],
+        owner: ImageTextWebDataModule,
+        shuffle: bool,
+        rank: int,
+        world: int,
+    ) -> None:
         self.records, self.lengths = records, lengths
         self.tokenizer = owner.tokenizer
         self.config = owner.regroup_config()
@@ -128,12 +135,25 @@ class _PlannedSplit(IterableDataset):
             last_start = len(order) if partial else len(order) - cfg["batch_size"] + 1
             batches = [[[i] for i in order[s : s + cfg["batch_size"]]] for s in range(0, last_start, cfg["batch_size"])]
         elif cfg["regroup"] == "bucket":
-            batches = [[[s.sample_id] for s in batch] for batch in bucket_batches(
-                samples, cfg["max_patches_per_batch"], cfg["max_tokens_per_batch"], cfg["buffer_size"], rng)]
+            batches = [
+                [[s.sample_id] for s in batch]
+                for batch in bucket_batches(
+                    samples, cfg["max_patches_per_batch"], cfg["max_tokens_per_batch"], cfg["buffer_size"], rng
+                )
+            ]
         else:
-            batches = [[[s.sample_id for s in row] for row in batch] for batch in pack_rows(
-                samples, cfg["max_patches_per_row"], cfg["max_tokens_per_row"], cfg["rows_per_batch"],
-                cfg["buffer_size"], rng, partial=partial)]
+            batches = [
+                [[s.sample_id for s in row] for row in batch]
+                for batch in pack_rows(
+                    samples,
+                    cfg["max_patches_per_row"],
+                    cfg["max_tokens_per_row"],
+                    cfg["rows_per_batch"],
+                    cfg["buffer_size"],
+                    rng,
+                    partial=partial,
+                )
+            ]
         segments = max((len(row) for batch in batches for row in batch), default=1)
         if cfg["epoch_policy"] == "drop":
             usable = len(batches) - len(batches) % self.world
@@ -185,10 +205,22 @@ class _PlannedSplit(IterableDataset):
         loaded = [row for row in loaded if row]
         if cfg["regroup"] == "pack":
             if not loaded:
-                return _all_padding(cfg["rows_per_batch"], cfg["max_patches_per_row"], cfg["max_tokens_per_row"],
-                                    segments, cfg["patch_size"], self.tokenizer.pad_id)
-            return collate_packed(loaded, cfg["max_patches_per_row"], cfg["max_tokens_per_row"], self.tokenizer.pad_id,
-                                  max_segments_per_row=segments, rows_per_batch=cfg["rows_per_batch"])
+                return _all_padding(
+                    cfg["rows_per_batch"],
+                    cfg["max_patches_per_row"],
+                    cfg["max_tokens_per_row"],
+                    segments,
+                    cfg["patch_size"],
+                    self.tokenizer.pad_id,
+                )
+            return collate_packed(
+                loaded,
+                cfg["max_patches_per_row"],
+                cfg["max_tokens_per_row"],
+                self.tokenizer.pad_id,
+                max_segments_per_row=segments,
+                rows_per_batch=cfg["rows_per_batch"],
+            )
         if not loaded:
             return _all_padding(1, 1, 2, 1, cfg["patch_size"], self.tokenizer.pad_id)
         return collate_one_per_row([row[0] for row in loaded], self.tokenizer.pad_id)
@@ -278,10 +310,15 @@ class ImageTextWebDataModule(L.LightningDataModule):
         if on_error not in ("skip", "raise"):
             raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
         for name, value, low in (
-            ("patch_size", patch_size, 1), ("max_patches_per_image", max_patches_per_image, 1),
-            ("max_text_tokens", max_text_tokens, 2), ("batch_size", batch_size, 1),
-            ("max_patches_per_batch", max_patches_per_batch, 1), ("max_tokens_per_batch", max_tokens_per_batch, 1),
-            ("rows_per_batch", rows_per_batch, 1), ("buffer_size", buffer_size, 1), ("num_workers", num_workers, 0),
+            ("patch_size", patch_size, 1),
+            ("max_patches_per_image", max_patches_per_image, 1),
+            ("max_text_tokens", max_text_tokens, 2),
+            ("batch_size", batch_size, 1),
+            ("max_patches_per_batch", max_patches_per_batch, 1),
+            ("max_tokens_per_batch", max_tokens_per_batch, 1),
+            ("rows_per_batch", rows_per_batch, 1),
+            ("buffer_size", buffer_size, 1),
+            ("num_workers", num_workers, 0),
         ):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -294,8 +331,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 ("max_tokens_per_batch", max_tokens_per_batch, "max_text_tokens", max_text_tokens),
             ):
                 if budget // rows < cap:
-                    raise ValueError(f"{budget_name}{per} = {budget // rows} must be >= {cap_name} = {cap}, "
-                                     f"or the largest sample fits no {unit}")
+                    raise ValueError(
+                        f"{budget_name}{per} = {budget // rows} must be >= {cap_name} = {cap}, "
+                        f"or the largest sample fits no {unit}"
+                    )
         if train_urls is not None and (val_urls is None or tokenizer is None):
             raise ValueError("with train_urls, also give val_urls and tokenizer (path to an HF tokenizer.json)")
         self.save_hyperparameters()
@@ -310,11 +349,18 @@ class ImageTextWebDataModule(L.LightningDataModule):
     def regroup_config(self) -> dict[str, Any]:
         hp = self.hparams
         return {
-            "regroup": hp.regroup, "batch_size": hp.batch_size, "seed": hp.seed, "buffer_size": hp.buffer_size,
-            "max_patches_per_batch": hp.max_patches_per_batch, "max_tokens_per_batch": hp.max_tokens_per_batch,
-            "rows_per_batch": hp.rows_per_batch, "max_patches_per_row": hp.max_patches_per_batch // hp.rows_per_batch,
-            "max_tokens_per_row": hp.max_tokens_per_batch // hp.rows_per_batch, "patch_size": hp.patch_size,
-            "max_patches_per_image": hp.max_patches_per_image, "max_text_tokens": hp.max_text_tokens,
+            "regroup": hp.regroup,
+            "batch_size": hp.batch_size,
+            "seed": hp.seed,
+            "buffer_size": hp.buffer_size,
+            "max_patches_per_batch": hp.max_patches_per_batch,
+            "max_tokens_per_batch": hp.max_tokens_per_batch,
+            "rows_per_batch": hp.rows_per_batch,
+            "max_patches_per_row": hp.max_patches_per_batch // hp.rows_per_batch,
+            "max_tokens_per_row": hp.max_tokens_per_batch // hp.rows_per_batch,
+            "patch_size": hp.patch_size,
+            "max_patches_per_image": hp.max_patches_per_image,
+            "max_text_tokens": hp.max_text_tokens,
             "epoch_policy": hp.epoch_policy,
         }
 
@@ -327,10 +373,13 @@ class ImageTextWebDataModule(L.LightningDataModule):
             for split, value in urls.items():
                 for url in [value] if isinstance(value, str) else value:
                     if "://" in url or url.startswith("pipe:"):
-                        raise ValueError(f"{split}_urls: {url!r} is remote; ImageTextWebDataModule plans batches "
-                                         "from an index and needs local (or mounted) shards")
-            return {split: expand_urls(value, f"{split}_urls", must_exist=False) for split, value in urls.items()}, \
-                hp.tokenizer
+                        raise ValueError(
+                            f"{split}_urls: {url!r} is remote; ImageTextWebDataModule plans batches "
+                            "from an index and needs local (or mounted) shards"
+                        )
+            return {
+                split: expand_urls(value, f"{split}_urls", must_exist=False) for split, value in urls.items()
+            }, hp.tokenizer
         dataset = load_manifest(hp.data_dir, hp.synthetic_preset)
         return dataset.shards, hp.tokenizer or dataset.tokenizer
 
@@ -343,14 +392,18 @@ class ImageTextWebDataModule(L.LightningDataModule):
         text_keys = tuple(hp.text_keys or TEXT_KEYS)
         records = [r for url in shards[split] for r in index_shard(url, self.error_log, image_keys, text_keys)]
         if not records:
-            raise ValueError(f"{split}_urls: no valid sample in {len(shards[split])} shard(s); "
-                             f"error counts: {self.error_log.counts}")
+            raise ValueError(
+                f"{split}_urls: no valid sample in {len(shards[split])} shard(s); error counts: {self.error_log.counts}"
+            )
         lengths = []
         tokenizer = self.tokenizer
         encoded = tokenizer.tokenizer.encode_batch([r.caption for r in records], add_special_tokens=False)
         for record, encoding in zip(records, encoded, strict=True):
-            rows, cols = (patch_grid(record.height, record.width, hp.patch_size, hp.max_patches_per_image)
-                          if record.image_key is not None else (0, 0))
+            rows, cols = (
+                patch_grid(record.height, record.width, hp.patch_size, hp.max_patches_per_image)
+                if record.image_key is not None
+                else (0, 0)
+            )
             if len(encoding.ids) + 2 > hp.max_text_tokens:
                 self.error_log.notice("caption_truncated")
             lengths.append((rows * cols, min(len(encoding.ids) + 2, hp.max_text_tokens)))
@@ -389,8 +442,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
             if self.hparams.regroup == "none" and self.hparams.val_batch_size:
                 dataset.config["batch_size"] = self.hparams.val_batch_size
         if len(dataset.plan(0).batches) == 0:
-            raise ValueError(f"{split}: {len(records)} samples give no batch for each of {world} data-parallel "
-                             f"rank(s); lower batch_size / the budgets, or use fewer ranks")
+            raise ValueError(
+                f"{split}: {len(records)} samples give no batch for each of {world} data-parallel "
+                f"rank(s); lower batch_size / the budgets, or use fewer ranks"
+            )
         return EpochAwareLoader(dataset, epoch_fn, num_workers=self.hparams.num_workers)
 
     def _train_epoch_and_skip(self) -> tuple[int, int]:
@@ -427,14 +482,19 @@ class ImageTextWebDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """Where the training stream stands: ``(epoch, batches consumed)`` plus the bad-input counts."""
-        return {"epoch": self._consumed["epoch"], "batches": self._consumed["batches"],
-                "seed": self.hparams.seed, "errors": dict(self.error_log.counts)}
+        return {
+            "epoch": self._consumed["epoch"],
+            "batches": self._consumed["batches"],
+            "seed": self.hparams.seed,
+            "errors": dict(self.error_log.counts),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("seed", self.hparams.seed) != self.hparams.seed:
-            raise ValueError(f"seed: the checkpoint's data stream used seed {state_dict['seed']}, this DataModule "
-                             f"{self.hparams.seed}; resuming would not replay the same batches")
+            raise ValueError(
+                f"seed: the checkpoint's data stream used seed {state_dict['seed']}, this DataModule "
+                f"{self.hparams.seed}; resuming would not replay the same batches"
+            )
         self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"])}
         self.error_log.counts = dict.fromkeys(self.error_log.counts, 0)
         self.error_log.merge(state_dict.get("errors", {}))
-

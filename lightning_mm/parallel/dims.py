@@ -48,8 +48,12 @@ class MeshAxis(str, enum.Enum):
 
 DP = "dp"  # flattened dp_replicate x dp_shard
 DP_SHARD_MOD_EP = "dp_shard_mod_ep"  # the part of dp_shard that is not expert parallel (exists when ep > 1)
-WORLD_AXES: tuple[str, ...] = (MeshAxis.PP.value, MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value,
-                               MeshAxis.TP.value)
+WORLD_AXES: tuple[str, ...] = (
+    MeshAxis.PP.value,
+    MeshAxis.DP_REPLICATE.value,
+    MeshAxis.DP_SHARD.value,
+    MeshAxis.TP.value,
+)
 
 # Constructor field -> argument name of ParallelDims.from_args (and of the future Lightning strategy); errors use
 # the latter because that is what the user typed.
@@ -248,21 +252,27 @@ class ParallelDims:
         if "world" in self._meshes:
             cached = self._meshes["world"]
             if cached.device_type != device_type:
-                raise ValueError(f"the mesh was already built for device_type={cached.device_type!r}; "
-                                 f"cannot rebuild it for device_type={device_type!r}")
+                raise ValueError(
+                    f"the mesh was already built for device_type={cached.device_type!r}; "
+                    f"cannot rebuild it for device_type={device_type!r}"
+                )
             return cached
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("ParallelDims.build_mesh needs an initialised default process group "
-                               "(torch.distributed.init_process_group)")
+            raise RuntimeError(
+                "ParallelDims.build_mesh needs an initialised default process group "
+                "(torch.distributed.init_process_group)"
+            )
         if dist.get_world_size() != self.world_size:
-            raise ValueError(f"world_size={self.world_size} does not match the process group's world size "
-                             f"{dist.get_world_size()}")
+            raise ValueError(
+                f"world_size={self.world_size} does not match the process group's world size {dist.get_world_size()}"
+            )
         world = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=WORLD_AXES)
         meshes: dict[str, DeviceMesh] = {name: world[name] for name in WORLD_AXES}
         meshes[DP] = world[self.batch_axes]._flatten(DP)
         if self.ep_enabled:
-            split = world._unflatten(MeshAxis.DP_SHARD.value, (self.dp_shard // self.ep, self.ep),
-                                     (DP_SHARD_MOD_EP, MeshAxis.EP.value))
+            split = world._unflatten(
+                MeshAxis.DP_SHARD.value, (self.dp_shard // self.ep, self.ep), (DP_SHARD_MOD_EP, MeshAxis.EP.value)
+            )
             meshes["ep_view"] = split
             meshes[DP_SHARD_MOD_EP] = split[DP_SHARD_MOD_EP]
             meshes[MeshAxis.EP.value] = split[MeshAxis.EP.value]
@@ -298,13 +308,18 @@ class ParallelDims:
             for source in (meshes["world"], meshes.get("ep_view")):
                 if source is not None and all(name in source.mesh_dim_names for name in names):
                     return source[names]
-            raise ValueError(f"no mesh has the axes {names}: a tuple must name axes of the world mesh "
-                             f"{WORLD_AXES}" + (f" or of the expert view {meshes['ep_view'].mesh_dim_names}"
-                                                if self.ep_enabled else ""))
+            raise ValueError(
+                f"no mesh has the axes {names}: a tuple must name axes of the world mesh "
+                f"{WORLD_AXES}"
+                + (f" or of the expert view {meshes['ep_view'].mesh_dim_names}" if self.ep_enabled else "")
+            )
         name = _normalize_axis(axis)
         if name not in self._available_axes():
-            hint = (" ('ep' and 'dp_shard_mod_ep' exist only when expert_parallel > 1)"
-                    if name in (MeshAxis.EP.value, DP_SHARD_MOD_EP) else "")
+            hint = (
+                " ('ep' and 'dp_shard_mod_ep' exist only when expert_parallel > 1)"
+                if name in (MeshAxis.EP.value, DP_SHARD_MOD_EP)
+                else ""
+            )
             raise ValueError(f"unknown mesh axis {name!r}{hint}; available axes: {self._available_axes()}")
         return meshes[name]
 

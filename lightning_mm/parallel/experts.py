@@ -127,9 +127,14 @@ class ExpertParallelStats:
                 self.pairs[(ranks[me], ranks[peer])] += 1
 
     def as_dict(self) -> dict:
-        return {"calls": dict(self.calls), "total_calls": self.total_calls, "payload_bytes": self.payload_bytes,
-                "metadata_bytes": self.metadata_bytes, "participants": self.participants,
-                "pairs": sorted(self.pairs)}
+        return {
+            "calls": dict(self.calls),
+            "total_calls": self.total_calls,
+            "payload_bytes": self.payload_bytes,
+            "metadata_bytes": self.metadata_bytes,
+            "participants": self.participants,
+            "pairs": sorted(self.pairs),
+        }
 
 
 STATS = ExpertParallelStats()
@@ -139,13 +144,13 @@ STATS = ExpertParallelStats()
 # ------------------------------------------------------------------------------------------------ autograd ops
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup,
-                kind: str) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, kind: str
+) -> torch.Tensor:
     out = x.new_empty(sum(out_splits), *x.shape[1:])
     row_bytes = x.element_size() * (int(torch.Size(x.shape[1:]).numel()) if x.ndim > 1 else 1)
     STATS.record(kind, group, in_splits, row_bytes)
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                           group=group)
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
     return out
 
 
@@ -185,8 +190,9 @@ class ActivationCodec:
         self.stats.reset()
         self.exact_backward_bytes = 0
 
-    def forward(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor | None:
+    def forward(
+        self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor | None:
         """The compressed exchange, or ``None`` when inactive (the caller then sends exactly)."""
         if not self.active:
             self.stats.uncompressed_calls += 1
@@ -265,10 +271,13 @@ def to_logical_order(full: torch.Tensor, order: list[int]) -> torch.Tensor:
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The ``ModalityExperts`` modules of ``model``, found by structure (importing the class would import
     Lightning): stacked ``w_in / b_in / w_out / b_out`` parameters plus ``group_sizes`` / ``group_offsets``."""
-    return [m for m in model.modules()
-            if all(isinstance(getattr(m, n, None), nn.Parameter) for n in EXPERT_PARAM_NAMES)
-            and isinstance(getattr(m, "group_sizes", None), dict)
-            and isinstance(getattr(m, "group_offsets", None), dict)]
+    return [
+        m
+        for m in model.modules()
+        if all(isinstance(getattr(m, n, None), nn.Parameter) for n in EXPERT_PARAM_NAMES)
+        and isinstance(getattr(m, "group_sizes", None), dict)
+        and isinstance(getattr(m, "group_offsets", None), dict)
+    ]
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -294,8 +303,9 @@ class ExpertDispatcher:
         self.codec: ActivationCodec | None = None
         """Compression of the forward dispatch / combine payloads (``None``: exact; see :class:`ActivationCodec`)."""
 
-    def __call__(self, module: nn.Module, tokens: torch.Tensor, experts: torch.Tensor,
-                 gate: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, module: nn.Module, tokens: torch.Tensor, experts: torch.Tensor, gate: torch.Tensor
+    ) -> torch.Tensor:
         """``tokens (N, D)``, ``experts (N,)`` logical expert ids, ``gate (N,)`` -> ``(N, D)`` routed output."""
         ep, local = self.ep, self.local
         slot = self.physical.to(experts.device)[experts]
@@ -311,8 +321,9 @@ class ExpertDispatcher:
         local_ids = torch.arange(local, device=inbox.device).repeat(ep).repeat_interleave(received.flatten())
         # .to(dtype): with dp_shard == ep the experts are outside FSDP, so no mixed-precision policy casts them to the
         # compute dtype of the (FSDP-cast) activations; a no-op in fp32 and under autocast's fp32 activations.
-        weights = [_ScaleGrad.apply(getattr(module, n).to_local(), 1.0 / ep).to(inbox.dtype)
-                   for n in EXPERT_PARAM_NAMES]
+        weights = [
+            _ScaleGrad.apply(getattr(module, n).to_local(), 1.0 / ep).to(inbox.dtype) for n in EXPERT_PARAM_NAMES
+        ]
         w_in, b_in, w_out, b_out = weights
         results = torch.zeros_like(inbox)
         for j in range(local):
@@ -348,15 +359,17 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, placement: str 
     for module in modules:
         num_experts = module.w_in.shape[0]
         if num_experts % ep:
-            raise ValueError(f"expert_parallel={ep} must divide the number of experts of the model "
-                             f"({num_experts} = vision_experts + text_experts)")
+            raise ValueError(
+                f"expert_parallel={ep} must divide the number of experts of the model "
+                f"({num_experts} = vision_experts + text_experts)"
+            )
         if getattr(module, "dispatcher", None) is not None:
             raise ValueError("apply_expert_parallel: experts are already expert-parallel")
         order = expert_order(num_experts, ep, placement)
         local = num_experts // ep
         for name in EXPERT_PARAM_NAMES:
             full = getattr(module, name).detach()
-            mine = full[order][rank * local:(rank + 1) * local].clone()
+            mine = full[order][rank * local : (rank + 1) * local].clone()
             sharded = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)
             setattr(module, name, nn.Parameter(sharded, requires_grad=getattr(module, name).requires_grad))
         module.dispatcher = ExpertDispatcher(ep_mesh, order, placement)

@@ -167,8 +167,10 @@ def apply_fsdp(
             ``dp_shard_mod_ep``); the blocks then skip what these units own.
     """
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"apply_fsdp needs a 1-D (FSDP) or 2-D (HSDP: replicate x shard) mesh, got a {mesh.ndim}-D "
-                         f"mesh with dims {mesh.mesh_dim_names}")
+        raise ValueError(
+            f"apply_fsdp needs a 1-D (FSDP) or 2-D (HSDP: replicate x shard) mesh, got a {mesh.ndim}-D "
+            f"mesh with dims {mesh.mesh_dim_names}"
+        )
     blocks = transformer_blocks(model) if blocks is None else list(blocks)
     own = {id(module) for module in model.modules()}
     for block in blocks:
@@ -183,8 +185,12 @@ def apply_fsdp(
     scalars = _keep_scalars_replicated(model, mesh)
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     ignored = scalars | set(ignored_params or ())
-    config = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload,
-              "ignored_params": ignored or None}
+    config = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload,
+        "ignored_params": ignored or None,
+    }
     # Inner units, then blocks, root last: fully_shard skips parameters already owned by an earlier unit, so the
     # root unit holds only the leftovers (embeddings, heads, norms, logit_scale).
     for modules, unit_mesh in inner_units:

@@ -68,8 +68,10 @@ UNSUPPORTED_SCHEDULES = {
 def check_schedule(schedule: str) -> None:
     """Raise ``ValueError`` naming ``pipeline_schedule`` for an unknown or unsupported schedule."""
     if schedule in UNSUPPORTED_SCHEDULES:
-        raise ValueError(f"pipeline_schedule={schedule!r} is not supported: {UNSUPPORTED_SCHEDULES[schedule]}; use "
-                         f"one of {SCHEDULES}")
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} is not supported: {UNSUPPORTED_SCHEDULES[schedule]}; use "
+            f"one of {SCHEDULES}"
+        )
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {schedule!r}")
 
@@ -90,7 +92,7 @@ class PipelineSplit:
 
     def stage_units(self, stage: int) -> list[str]:
         end = self.starts[stage + 1] if stage + 1 < self.num_stages else len(self.units)
-        return list(self.units[self.starts[stage]:end])
+        return list(self.units[self.starts[stage] : end])
 
     def owner(self, unit: str) -> int:
         index = self.units.index(unit)
@@ -105,12 +107,16 @@ def explicit_split(units: Sequence[str], starts: Sequence[str], num_stages: int)
     """A split from the FQNs that begin stages 1..n-1, e.g. ``["net.layers.2"]``; errors name ``pipeline_split``."""
     units, starts = tuple(units), list(starts)
     if len(starts) != num_stages - 1:
-        raise ValueError(f"pipeline_split lists {len(starts)} stage starts; {num_stages} stages need "
-                         f"{num_stages - 1} (stage 0 begins with the first unit, {units[0]!r})")
+        raise ValueError(
+            f"pipeline_split lists {len(starts)} stage starts; {num_stages} stages need "
+            f"{num_stages - 1} (stage 0 begins with the first unit, {units[0]!r})"
+        )
     unknown = [fqn for fqn in starts if fqn not in units[1:]]
     if unknown:
-        raise ValueError(f"pipeline_split entries {unknown} are not units that can begin a stage; allowed stage "
-                         f"starts (forward order): {list(units[1:])}")
+        raise ValueError(
+            f"pipeline_split entries {unknown} are not units that can begin a stage; allowed stage "
+            f"starts (forward order): {list(units[1:])}"
+        )
     indices = [units.index(fqn) for fqn in starts]
     if indices != sorted(set(indices)):
         raise ValueError(f"pipeline_split must list distinct units in forward order, got {starts}")
@@ -122,8 +128,10 @@ def auto_split(units: Sequence[str], costs: Mapping[str, float], num_stages: int
     programming over the prefix sums)."""
     units = tuple(units)
     if num_stages > len(units):
-        raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} units, the model has "
-                         f"{len(units)} ({list(units)}); lower pipeline_parallel / virtual_stages or add layers")
+        raise ValueError(
+            f"{num_stages} pipeline stages need at least {num_stages} units, the model has "
+            f"{len(units)} ({list(units)}); lower pipeline_parallel / virtual_stages or add layers"
+        )
     missing = [u for u in units if u not in costs]
     if missing:
         raise ValueError(f"pipeline_split='auto': the model's unit costs miss {missing}")
@@ -204,12 +212,16 @@ def sequential_pipeline_spec(
     (:class:`~lightning_mm.parallel.protocol.MeanLossObjective`). One stage per rank.
     """
     if not split_points or not all(isinstance(p, str) and p for p in split_points):
-        raise ValueError(f"pipeline_split must name the units that begin stages 1.. (e.g. ['net.layers.2']) for "
-                         f"{type(model).__name__}, which declares no pipeline of its own; got {split_points!r}")
+        raise ValueError(
+            f"pipeline_split must name the units that begin stages 1.. (e.g. ['net.layers.2']) for "
+            f"{type(model).__name__}, which declares no pipeline of its own; got {split_points!r}"
+        )
     roots = {point.split(".")[0] for point in split_points}
     if len(roots) != 1 or any("." not in point for point in split_points):
-        raise ValueError(f"pipeline_split entries {list(split_points)} must lie inside one submodule of "
-                         f"{type(model).__name__} (the module to pipeline, e.g. 'net' in 'net.layers.2')")
+        raise ValueError(
+            f"pipeline_split entries {list(split_points)} must lie inside one submodule of "
+            f"{type(model).__name__} (the module to pipeline, e.g. 'net' in 'net.layers.2')"
+        )
     root = roots.pop()
     names = {name for name, _ in model.named_modules()}
     missing = [point for point in split_points if point not in names]
@@ -219,16 +231,24 @@ def sequential_pipeline_spec(
 
     def build_stages(split: PipelineSplit, stage_ids: list[int]) -> list[nn.Module]:
         if len(stage_ids) != 1:
-            raise ValueError(f"{type(model).__name__} is pipelined as a chain of units, one stage per rank; use "
-                             "virtual_stages=1 and a single-stage schedule (GPipe, 1F1B)")
+            raise ValueError(
+                f"{type(model).__name__} is pipelined as a chain of units, one stage per rank; use "
+                "virtual_stages=1 and a single-stage schedule (GPipe, 1F1B)"
+            )
         keep = set(split.stage_units(stage_ids[0]))
         for unit in units:
             if unit not in keep:
                 _replace(model, unit, PassThrough())
         return [model.get_submodule(root)]
 
-    return PipelineSpec(units=units, build_stages=build_stages, inputs=inputs, target=target,
-                        objective=MeanLossObjective(loss_fn, microbatches), max_stages_per_rank=1)
+    return PipelineSpec(
+        units=units,
+        build_stages=build_stages,
+        inputs=inputs,
+        target=target,
+        objective=MeanLossObjective(loss_fn, microbatches),
+        max_stages_per_rank=1,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- schedule
@@ -251,8 +271,10 @@ def build_schedule(
     cls = get_schedule_class(schedule)
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
-            raise ValueError(f"pipeline_schedule={schedule!r} runs one stage per rank; use virtual_stages=1 or an "
-                             "interleaved schedule (Interleaved1F1B, LoopedBFS)")
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} runs one stage per rank; use virtual_stages=1 or an "
+                "interleaved schedule (Interleaved1F1B, LoopedBFS)"
+            )
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(list(stages), n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
@@ -316,8 +338,9 @@ def plot_timeline(events_by_rank: Sequence[Sequence[tuple]], path, title: str = 
     try:
         import matplotlib
     except ImportError as error:
-        raise ImportError("drawing the pipeline timeline needs matplotlib: pip install 'lightning-mm[bench]' (or "
-                          "matplotlib)") from error
+        raise ImportError(
+            "drawing the pipeline timeline needs matplotlib: pip install 'lightning-mm[bench]' (or matplotlib)"
+        ) from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -328,8 +351,14 @@ def plot_timeline(events_by_rank: Sequence[Sequence[tuple]], path, title: str = 
     fig, ax = plt.subplots(figsize=(10, 0.7 + 0.6 * len(events_by_rank)))
     for rank, events in enumerate(events_by_rank):
         for kind, stage, mb, start, end in events:
-            ax.barh(rank, (end - start) * 1e3, left=(start - origin) * 1e3, color=colors[kind], edgecolor="black",
-                    linewidth=0.4)
+            ax.barh(
+                rank,
+                (end - start) * 1e3,
+                left=(start - origin) * 1e3,
+                color=colors[kind],
+                edgecolor="black",
+                linewidth=0.4,
+            )
             label = (f"{kind}{mb}" if mb >= 0 else kind) + (f"s{stage}" if stage > 1 else "")
             ax.text((start - origin + (end - start) / 2) * 1e3, rank, label, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(events_by_rank)), [f"rank {r}" for r in range(len(events_by_rank))])

@@ -133,7 +133,8 @@ class GatherSequence(ParallelStyle):
                 return None
             gathered = tuple(
                 arg.redistribute(arg.device_mesh, [Replicate()] * arg.device_mesh.ndim).to_local()
-                if isinstance(arg, DTensor) else arg
+                if isinstance(arg, DTensor)
+                else arg
                 for arg in args
             )
             pending[id(gathered[0])] = (gathered[0], tuple(args[0].placements))

@@ -110,7 +110,7 @@ class MeanLossObjective(PipelineObjective):
     def values(self) -> dict[str, torch.Tensor]:
         # The last `microbatches` parts: on the first step torch's pipelining calls the loss once more, before the
         # real microbatches, on uninitialised tensors to infer backward metadata.
-        return {"loss": torch.stack(self._parts[-self.microbatches:]).sum()}
+        return {"loss": torch.stack(self._parts[-self.microbatches :]).sum()}
 
 
 @dataclass
@@ -157,7 +157,8 @@ class ParallelPlan:
 class ParallelPlanProvider(Protocol):
     """A module that says how it is parallelized (the reference ``VLMModule`` is one)."""
 
-    def parallel_plan(self, *, sequence_parallel: bool = False, microbatches: int = 1,
-                      pipeline_shape: Sequence[int] | None = None) -> ParallelPlan:
+    def parallel_plan(
+        self, *, sequence_parallel: bool = False, microbatches: int = 1, pipeline_shape: Sequence[int] | None = None
+    ) -> ParallelPlan:
         """``sequence_parallel``: include sequence-parallel styles in ``tp_plan``; ``microbatches``: per step, for
         the pipeline objective; ``pipeline_shape``: the fixed batch shape the strategy was given, if any."""

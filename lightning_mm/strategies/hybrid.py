@@ -87,15 +87,20 @@ def _default_pipeline_inputs(batch: Any) -> tuple[torch.Tensor, ...]:
         return (batch,)
     if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
         return (batch[0],)
-    raise TypeError(f"cannot tell the pipeline's stage-0 inputs from a batch of type {type(batch).__name__}; define "
-                    "pipeline_inputs(batch) -> tuple of tensors on the LightningModule")
+    raise TypeError(
+        f"cannot tell the pipeline's stage-0 inputs from a batch of type {type(batch).__name__}; define "
+        "pipeline_inputs(batch) -> tuple of tensors on the LightningModule"
+    )
 
 
 def _default_pipeline_target(batch: Any) -> Any:
     if isinstance(batch, (tuple, list)) and len(batch) > 1:
         return batch[1]
-    raise TypeError(f"cannot tell the pipeline's target from a batch of type {type(batch).__name__}; define "
-                    "pipeline_target(batch) on the LightningModule")
+    raise TypeError(
+        f"cannot tell the pipeline's target from a batch of type {type(batch).__name__}; define "
+        "pipeline_target(batch) on the LightningModule"
+    )
+
 
 class HybridParallelStrategy(ModelParallelStrategy):
     """Data (FSDP2 / HSDP) x tensor (+ sequence) x pipeline x expert parallel training of a LightningModule, with no
@@ -170,46 +175,74 @@ class HybridParallelStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         # Validate what can be validated without the world size (the degrees' types and ranges), so a typo in a
         # config fails at construction rather than after processes have started.
         shard_for_check = 1 if data_parallel_shard in ("auto", -1) else data_parallel_shard
-        for name, value in (("data_parallel_replicate", data_parallel_replicate),
-                            ("data_parallel_shard", shard_for_check), ("tensor_parallel", tensor_parallel),
-                            ("pipeline_parallel", pipeline_parallel), ("virtual_stages", virtual_stages),
-                            ("expert_parallel", expert_parallel)):
+        for name, value in (
+            ("data_parallel_replicate", data_parallel_replicate),
+            ("data_parallel_shard", shard_for_check),
+            ("tensor_parallel", tensor_parallel),
+            ("pipeline_parallel", pipeline_parallel),
+            ("virtual_stages", virtual_stages),
+            ("expert_parallel", expert_parallel),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1" + (" or 'auto'" if name == "data_parallel_shard"
-                                                                       else "") + f", got {value!r}")
+                raise ValueError(
+                    f"{name} must be an integer >= 1"
+                    + (" or 'auto'" if name == "data_parallel_shard" else "")
+                    + f", got {value!r}"
+                )
         if sequence_parallel and tensor_parallel == 1:
-            raise ValueError("sequence_parallel=True needs tensor_parallel > 1 (it shards activations over the tp "
-                             "ranks)")
+            raise ValueError(
+                "sequence_parallel=True needs tensor_parallel > 1 (it shards activations over the tp ranks)"
+            )
         if tp_plan is not None and not isinstance(tp_plan, dict):
             raise ValueError(f"tp_plan must be a dict {{fqn_pattern: style}}, got {type(tp_plan).__name__}")
         check_schedule(pipeline_schedule)
-        if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
-                                         or microbatches < 1):
+        if microbatches is not None and (
+            isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1
+        ):
             raise ValueError(f"microbatches must be an integer >= 1 or None, got {microbatches!r}")
-        if pipeline_split != "auto" and not (isinstance(pipeline_split, (list, tuple))
-                                             and all(isinstance(f, str) for f in pipeline_split)):
-            raise ValueError(f"pipeline_split must be 'auto' or a list of layer FQNs that begin stages 1.., got "
-                             f"{pipeline_split!r}")
+        if pipeline_split != "auto" and not (
+            isinstance(pipeline_split, (list, tuple)) and all(isinstance(f, str) for f in pipeline_split)
+        ):
+            raise ValueError(
+                f"pipeline_split must be 'auto' or a list of layer FQNs that begin stages 1.., got {pipeline_split!r}"
+            )
         if pipeline_shape is not None and (len(pipeline_shape) != 4 or any(int(v) < 1 for v in pipeline_shape)):
-            raise ValueError(f"pipeline_shape must be (rows, patches_per_row, tokens_per_row, segments_per_row), "
-                             f"got {pipeline_shape!r}")
+            raise ValueError(
+                f"pipeline_shape must be (rows, patches_per_row, tokens_per_row, segments_per_row), "
+                f"got {pipeline_shape!r}"
+            )
         if expert_placement not in PLACEMENTS:
             raise ValueError(f"expert_placement must be one of {PLACEMENTS}, got {expert_placement!r}")
         if expert_parallel > 1:
-            unsupported = [f"{name}={value}" for name, value in (
-                ("pipeline_parallel", pipeline_parallel), ("tensor_parallel", tensor_parallel),
-                ("data_parallel_replicate", data_parallel_replicate)) if value != 1]
+            unsupported = [
+                f"{name}={value}"
+                for name, value in (
+                    ("pipeline_parallel", pipeline_parallel),
+                    ("tensor_parallel", tensor_parallel),
+                    ("data_parallel_replicate", data_parallel_replicate),
+                )
+                if value != 1
+            ]
             if unsupported:
-                raise ValueError(f"expert_parallel={expert_parallel} with {', '.join(unsupported)} is not supported "
-                                 "yet; use expert_parallel=1 or set those degrees to 1")
-        self._degrees = {"data_parallel_replicate": data_parallel_replicate,
-                         "data_parallel_shard": data_parallel_shard, "tensor_parallel": tensor_parallel,
-                         "pipeline_parallel": pipeline_parallel, "expert_parallel": expert_parallel}
+                raise ValueError(
+                    f"expert_parallel={expert_parallel} with {', '.join(unsupported)} is not supported "
+                    "yet; use expert_parallel=1 or set those degrees to 1"
+                )
+        self._degrees = {
+            "data_parallel_replicate": data_parallel_replicate,
+            "data_parallel_shard": data_parallel_shard,
+            "tensor_parallel": tensor_parallel,
+            "pipeline_parallel": pipeline_parallel,
+            "expert_parallel": expert_parallel,
+        }
         self.expert_placement = expert_placement
         self.pipeline_schedule = pipeline_schedule
         self.microbatches = microbatches
@@ -230,8 +263,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @property
     def parallel_dims(self) -> ParallelDims:
         if self._dims is None:
-            raise RuntimeError("HybridParallelStrategy.parallel_dims is available once the Trainer has set up the "
-                               "processes (setup_environment)")
+            raise RuntimeError(
+                "HybridParallelStrategy.parallel_dims is available once the Trainer has set up the "
+                "processes (setup_environment)"
+            )
         return self._dims
 
     @property
@@ -258,8 +293,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
         dims = self.parallel_dims
         return {
             "world_size": dims.world_size,
-            "mesh": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-                     "ep": dims.ep},
+            "mesh": {
+                "pp": dims.pp,
+                "dp_replicate": dims.dp_replicate,
+                "dp_shard": dims.dp_shard,
+                "tp": dims.tp,
+                "ep": dims.ep,
+            },
             "sequence_parallel": self.sequence_parallel,
             "expert_layout": self._expert_layout(),
             "torch": str(torch.__version__),  # a plain str: TorchVersion would break weights_only loading
@@ -324,22 +364,31 @@ class HybridParallelStrategy(ModelParallelStrategy):
         strategy's arguments on top: a ``tp_plan`` argument replaces the module's plan."""
         declare = getattr(module, "parallel_plan", None)
         if callable(declare):
-            plan = declare(sequence_parallel=self.sequence_parallel and self.tp_plan is None,
-                           microbatches=self._microbatches(), pipeline_shape=self.pipeline_shape)
+            plan = declare(
+                sequence_parallel=self.sequence_parallel and self.tp_plan is None,
+                microbatches=self._microbatches(),
+                pipeline_shape=self.pipeline_shape,
+            )
             if not isinstance(plan, ParallelPlan):
-                raise TypeError(f"{type(module).__name__}.parallel_plan() must return a "
-                                f"lightning_mm.parallel.protocol.ParallelPlan, got {type(plan).__name__}")
+                raise TypeError(
+                    f"{type(module).__name__}.parallel_plan() must return a "
+                    f"lightning_mm.parallel.protocol.ParallelPlan, got {type(plan).__name__}"
+                )
         else:
             plan = ParallelPlan()
         if self.tp_plan is not None:
             if self.sequence_parallel:
-                raise ValueError("sequence_parallel=True selects the model's own sequence-parallel plan; with a "
-                                 "tp_plan argument, mark the norms 'sequence' in that plan instead")
+                raise ValueError(
+                    "sequence_parallel=True selects the model's own sequence-parallel plan; with a "
+                    "tp_plan argument, mark the norms 'sequence' in that plan instead"
+                )
             plan.tp_plan = self.tp_plan
         elif self.sequence_parallel and not callable(declare):
-            raise ValueError(f"sequence_parallel=True needs a model that declares its sequence-parallel plan "
-                             f"(parallel_plan()); {type(module).__name__} has none, so pass tp_plan with "
-                             "'sequence' styles instead")
+            raise ValueError(
+                f"sequence_parallel=True needs a model that declares its sequence-parallel plan "
+                f"(parallel_plan()); {type(module).__name__} has none, so pass tp_plan with "
+                "'sequence' styles instead"
+            )
         return plan
 
     def parallelize(self, module: nn.Module, mp_policy=None) -> nn.Module:
@@ -362,8 +411,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
             apply_tensor_parallel(module, dims.get_mesh("tp"), self._require_tp_plan(module, plan))
         if dims.ep_enabled:
             if plan.apply_expert_parallel is None:
-                raise ValueError(f"expert_parallel={dims.ep} needs a model that declares its experts "
-                                 f"(ParallelPlan.apply_expert_parallel); {type(module).__name__} declares none")
+                raise ValueError(
+                    f"expert_parallel={dims.ep} needs a model that declares its experts "
+                    f"(ParallelPlan.apply_expert_parallel); {type(module).__name__} declares none"
+                )
             plan.apply_expert_parallel(dims.get_mesh("ep"), self.expert_placement)
         blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
         if self.activation_checkpointing:
@@ -381,6 +432,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "'replicate', ...} (patterns relative to the LightningModule) or override configure_model"
             )
         return plan.tp_plan
+
     def _apply_fsdp(self, module: nn.Module, blocks: list[nn.Module], mp_policy) -> None:
         # FSDP2 shards each child of the LightningModule that has parameters, with that child's blocks as units,
         # rather than calling fully_shard on the LightningModule itself (which would swap its class for an
@@ -399,9 +451,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 continue
             inside = {id(sub) for sub in child.modules()}
             inner, ignored = self._expert_units(child, mesh, experts) if experts else ((), None)
-            apply_fsdp(child, mesh, mp_policy=mp_policy, reshard_after_forward=self.reshard_after_forward,
-                       cpu_offload=self.cpu_offload, blocks=[b for b in blocks if id(b) in inside and b is not child],
-                       inner_units=inner, ignored_params=ignored)
+            apply_fsdp(
+                child,
+                mesh,
+                mp_policy=mp_policy,
+                reshard_after_forward=self.reshard_after_forward,
+                cpu_offload=self.cpu_offload,
+                blocks=[b for b in blocks if id(b) in inside and b is not child],
+                inner_units=inner,
+                ignored_params=ignored,
+            )
 
     def _expert_units(
         self, child: nn.Module, mesh: DeviceMesh, experts: set[nn.Parameter]
@@ -439,14 +498,18 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if plan.pipeline is not None:
             return plan.pipeline
         if self.pipeline_split == "auto":
-            raise ValueError(f"pipeline_parallel > 1 with {type(module).__name__}, which declares no pipeline "
-                             "(parallel_plan()): pass pipeline_split=[FQNs of the modules that begin stages 1..], "
-                             "e.g. ['net.layers.2'], and define pipeline_loss(output, target) on the module")
+            raise ValueError(
+                f"pipeline_parallel > 1 with {type(module).__name__}, which declares no pipeline "
+                "(parallel_plan()): pass pipeline_split=[FQNs of the modules that begin stages 1..], "
+                "e.g. ['net.layers.2'], and define pipeline_loss(output, target) on the module"
+            )
         loss_fn: Callable | None = getattr(module, "pipeline_loss", None)
         if not callable(loss_fn):
-            raise ValueError(f"pipeline_parallel > 1: {type(module).__name__} must define pipeline_loss(output, "
-                             "target) -> the mean loss of a microbatch (the last stage's output and the target); "
-                             "the schedule computes the loss, so training_step is not called")
+            raise ValueError(
+                f"pipeline_parallel > 1: {type(module).__name__} must define pipeline_loss(output, "
+                "target) -> the mean loss of a microbatch (the last stage's output and the target); "
+                "the schedule computes the loss, so training_step is not called"
+            )
         inputs = getattr(module, "pipeline_inputs", None) or _default_pipeline_inputs
         target = getattr(module, "pipeline_target", None) or _default_pipeline_target
         return sequential_pipeline_spec(module, self.pipeline_split, loss_fn, self._microbatches(), inputs, target)
@@ -455,8 +518,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self.pipeline_split != "auto":
             return explicit_split(spec.units, self.pipeline_split, num_stages)
         if spec.unit_costs is None:
-            raise ValueError("pipeline_split='auto' needs the model's unit costs (PipelineSpec.unit_costs); pass the "
-                             f"FQNs that begin stages 1.. instead, from {list(spec.units)}")
+            raise ValueError(
+                "pipeline_split='auto' needs the model's unit costs (PipelineSpec.unit_costs); pass the "
+                f"FQNs that begin stages 1.. instead, from {list(spec.units)}"
+            )
         return auto_split(spec.units, spec.unit_costs(), num_stages)
 
     def _parallelize_pipeline(self, module: nn.Module, plan: ParallelPlan, mp_policy) -> PipelineRunner:
@@ -468,14 +533,18 @@ class HybridParallelStrategy(ModelParallelStrategy):
         """
         dims = self.parallel_dims
         if dims.tp_enabled and self.sequence_parallel:
-            raise ValueError("pipeline_parallel > 1 with sequence_parallel=True is not supported yet (the sequence-"
-                             "parallel plan shards and gathers at the model's entry and exit, which a stage may not "
-                             "hold); use sequence_parallel=False")
+            raise ValueError(
+                "pipeline_parallel > 1 with sequence_parallel=True is not supported yet (the sequence-"
+                "parallel plan shards and gathers at the model's entry and exit, which a stage may not "
+                "hold); use sequence_parallel=False"
+            )
         spec = self._pipeline_spec(module, plan)
         num_stages = dims.pp * self.virtual_stages
         if spec.max_stages_per_rank is not None and self.virtual_stages > spec.max_stages_per_rank:
-            raise ValueError(f"virtual_stages={self.virtual_stages}: {type(module).__name__}'s pipeline supports "
-                             f"{spec.max_stages_per_rank} stage(s) per rank")
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages}: {type(module).__name__}'s pipeline supports "
+                f"{spec.max_stages_per_rank} stage(s) per rank"
+            )
         split = self._pipeline_split(spec, num_stages)
         pp_mesh = dims.get_mesh("pp")
         pp_rank = pp_mesh.get_local_rank()
@@ -485,8 +554,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
             # The plan, restricted to the modules this rank's stages still hold (patterns of pruned layers would
             # otherwise "match nothing"). Stage boundaries carry plain tensors, replicated over tp.
             present = [name for name, _ in module.named_modules()]
-            tp_plan = {pattern: style for pattern, style in self._require_tp_plan(module, plan).items()
-                       if any(_matches(name, pattern) for name in present)}
+            tp_plan = {
+                pattern: style
+                for pattern, style in self._require_tp_plan(module, plan).items()
+                if any(_matches(name, pattern) for name in present)
+            }
             apply_tensor_parallel(module, dims.get_mesh("tp"), tp_plan)
         blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
         for stage_module in stage_modules:
@@ -495,26 +567,47 @@ class HybridParallelStrategy(ModelParallelStrategy):
             if self.activation_checkpointing:
                 apply_activation_checkpointing(stage_blocks)
             if dims.dp_enabled:
-                apply_fsdp(stage_module, dims.get_mesh(dims.fsdp_axes), mp_policy=mp_policy,
-                           reshard_after_forward=False, cpu_offload=self.cpu_offload, blocks=stage_blocks)
+                apply_fsdp(
+                    stage_module,
+                    dims.get_mesh(dims.fsdp_axes),
+                    mp_policy=mp_policy,
+                    reshard_after_forward=False,
+                    cpu_offload=self.cpu_offload,
+                    blocks=stage_blocks,
+                )
         if dims.coordinates(self.global_rank)["dp"] == 0:
-            log.info("pipeline rank %d holds stage(s) %s: %s", pp_rank, stage_ids,
-                     [split.stage_units(s) for s in stage_ids])
-        return PipelineRunner(spec, split, stage_modules, stage_ids, self.root_device, pp_mesh.get_group(),
-                              self.pipeline_schedule, self._microbatches())
+            log.info(
+                "pipeline rank %d holds stage(s) %s: %s", pp_rank, stage_ids, [split.stage_units(s) for s in stage_ids]
+            )
+        return PipelineRunner(
+            spec,
+            split,
+            stage_modules,
+            stage_ids,
+            self.root_device,
+            pp_mesh.get_group(),
+            self.pipeline_schedule,
+            self._microbatches(),
+        )
 
     @property
     def pipeline(self) -> PipelineRunner | None:
         """Stages, schedules and timeline of this rank (None without pipeline parallelism)."""
         return self._pipeline
 
-    def _log_pipeline_values(self, stage: str, values: dict[str, torch.Tensor], batch_size: int, on_step: bool
-                             ) -> None:
+    def _log_pipeline_values(self, stage: str, values: dict[str, torch.Tensor], batch_size: int, on_step: bool) -> None:
         # Each value is this rank's share of the global batch's loss (as the module's own losses are), identical
         # over the pipeline ranks; sync_dist's mean over all ranks is the global loss.
         for name, value in values.items():
-            self.lightning_module.log(f"{stage}/{name}", value, prog_bar=name == "loss", on_step=on_step,
-                                      on_epoch=not on_step, batch_size=batch_size, sync_dist=True)
+            self.lightning_module.log(
+                f"{stage}/{name}",
+                value,
+                prog_bar=name == "loss",
+                on_step=on_step,
+                on_epoch=not on_step,
+                batch_size=batch_size,
+                sync_dist=True,
+            )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -531,10 +624,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
         record_step, path = self._timeline_request
-        step_start = runner.record(record_step is not None and trainer.global_step == record_step
-                                   and runner.timeline is None)
-        values = runner.run(batch, self.data_parallel_group, train=True, loss_divisor=accumulate,
-                            context=self.precision_plugin.train_step_context)
+        step_start = runner.record(
+            record_step is not None and trainer.global_step == record_step and runner.timeline is None
+        )
+        values = runner.run(
+            batch,
+            self.data_parallel_group,
+            train=True,
+            loss_divisor=accumulate,
+            context=self.precision_plugin.train_step_context,
+        )
         if runner.recorder.enabled:
             runner.collect_timeline(step_start, path, self.global_rank)
         self._log_pipeline_values("train", values, _rows(batch), on_step=True)
@@ -546,8 +645,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
         batch = args[0]
-        values = self._pipeline.run(batch, self.data_parallel_group, train=False, loss_divisor=1,
-                                    context=self.precision_plugin.val_step_context)
+        values = self._pipeline.run(
+            batch, self.data_parallel_group, train=False, loss_divisor=1, context=self.precision_plugin.val_step_context
+        )
         # Metrics that need logits / embeddings on every rank (token accuracy, recall) are not computed under
         # pipeline parallelism; the objective's losses are logged.
         self._log_pipeline_values("val", values, _rows(batch), on_step=False)
@@ -582,7 +682,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return (self._pipeline.pp_group,)
         return ()
 
-
     # ---------------------------------------------------------------------------------------------- checkpoints
 
     @override
@@ -591,8 +690,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
-            raise TypeError("HybridParallelStrategy.save_checkpoint(..., storage_options=...) is not supported: "
-                            "it writes torch.distributed.checkpoint directories, not through CheckpointIO")
+            raise TypeError(
+                "HybridParallelStrategy.save_checkpoint(..., storage_options=...) is not supported: "
+                "it writes torch.distributed.checkpoint directories, not through CheckpointIO"
+            )
         path = Path(self.broadcast(filepath))
         model_state = checkpoint.pop("state_dict")
         optimizer_states = checkpoint.pop("optimizer_states", [])
@@ -610,9 +711,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._check_expert_layout(saved or {}, path)
         now = self.topology()
         if saved and saved.get("mesh") != now["mesh"]:
-            log.info("resharding checkpoint %s: saved on %s rank(s) (%s), loading on %s rank(s) (%s)", path,
-                     saved.get("world_size"), _describe(saved.get("mesh", {})), now["world_size"],
-                     _describe(now["mesh"]))
+            log.info(
+                "resharding checkpoint %s: saved on %s rank(s) (%s), loading on %s rank(s) (%s)",
+                path,
+                saved.get("world_size"),
+                _describe(saved.get("mesh", {})),
+                now["world_size"],
+                _describe(now["mesh"]),
+            )
         return ckpt.load_sharded(path, self.model, self.optimizers, strict=strict)
 
     def _load_full_checkpoint(self, path: Path, strict: bool) -> dict[str, Any]:
@@ -632,14 +738,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if not self.optimizers:  # validate / test / predict: weights only
             saved_optimizers = []
         elif len(saved_optimizers) != len(self.optimizers):
-            raise ValueError(f"checkpoint {str(path)!r} has {len(saved_optimizers)} optimizer states, the module "
-                             f"configures {len(self.optimizers)}")
+            raise ValueError(
+                f"checkpoint {str(path)!r} has {len(saved_optimizers)} optimizer states, the module "
+                f"configures {len(self.optimizers)}"
+            )
         names = {param: name for name, param in self.model.named_parameters()}
         for optimizer, saved in zip(self.optimizers, saved_optimizers, strict=True):
             # Index-keyed (torch's Optimizer.state_dict format) -> FQN-keyed, in this optimizer's parameter order.
             fqns = [names[param] for group in optimizer.param_groups for param in group["params"]]
             set_optimizer_state_dict(self.model, optimizer, ckpt.optimizer_state_by_fqn(saved, fqns), options=options)
         return checkpoint
+
 
 def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)

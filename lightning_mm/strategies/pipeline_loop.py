@@ -67,8 +67,10 @@ class PipelineRunner:
         self.has_last = num_stages - 1 in self.stage_ids
 
         def stages() -> list[PipelineStage]:
-            return [PipelineStage(module, stage, num_stages, device, group=pp_group)
-                    for module, stage in zip(self.stage_modules, self.stage_ids, strict=True)]
+            return [
+                PipelineStage(module, stage, num_stages, device, group=pp_group)
+                for module, stage in zip(self.stage_modules, self.stage_ids, strict=True)
+            ]
 
         self._loss_divisor = 1
         self.train_schedule = build_schedule(stages(), schedule, microbatches, self._train_loss)
@@ -110,8 +112,10 @@ class PipelineRunner:
         args = spec.inputs(batch)
         rows = spec.num_rows(batch) if spec.num_rows is not None else args[0].shape[0]
         if rows % self.microbatches:
-            raise ValueError(f"a batch of {rows} rows does not split into microbatches={self.microbatches}; choose "
-                             "microbatches dividing the per-rank batch size")
+            raise ValueError(
+                f"a batch of {rows} rows does not split into microbatches={self.microbatches}; choose "
+                "microbatches dividing the per-rank batch size"
+            )
         target = spec.target(batch)
         args = args if self.has_first else ()
         objective.begin(batch, group)
@@ -135,9 +139,11 @@ class PipelineRunner:
             names = [list(values)]
             dist.broadcast_object_list(names, group=self.pp_group, group_src=self.pp_size - 1)
             self._value_names = names[0]
-        stacked = (torch.stack([values[name].detach().float().reshape(()).to(self.device)
-                                for name in self._value_names])
-                   if self.has_last else torch.zeros(len(self._value_names), device=self.device))
+        stacked = (
+            torch.stack([values[name].detach().float().reshape(()).to(self.device) for name in self._value_names])
+            if self.has_last
+            else torch.zeros(len(self._value_names), device=self.device)
+        )
         dist.broadcast(stacked, group=self.pp_group, group_src=self.pp_size - 1)
         return dict(zip(self._value_names, stacked, strict=True))
 
@@ -156,12 +162,22 @@ class PipelineRunner:
         dist.all_gather_object(gathered, events, group=self.pp_group)
         p, m, v = self.pp_size, self.microbatches, len(self.stage_ids)
         # Every stage equally costly: (p - 1) idle slots of the v * m chunk slots per rank and pass.
-        self.timeline = {"events": gathered, "idle_fraction": idle_fraction(gathered),
-                         "theory": (p - 1) / (v * m + p - 1), "schedule": self.schedule_name, "microbatches": m,
-                         "pp": p, "virtual_stages": v}
+        self.timeline = {
+            "events": gathered,
+            "idle_fraction": idle_fraction(gathered),
+            "theory": (p - 1) / (v * m + p - 1),
+            "schedule": self.schedule_name,
+            "microbatches": m,
+            "pp": p,
+            "virtual_stages": v,
+        }
         if path is not None and rank == 0:
-            plot_timeline(gathered, path, f"{self.schedule_name} pp={p} m={m}: idle "
-                          f"{self.timeline['idle_fraction']:.2f} (theory {self.timeline['theory']:.2f})")
+            plot_timeline(
+                gathered,
+                path,
+                f"{self.schedule_name} pp={p} m={m}: idle "
+                f"{self.timeline['idle_fraction']:.2f} (theory {self.timeline['theory']:.2f})",
+            )
         return self.timeline
 
 

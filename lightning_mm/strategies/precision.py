@@ -43,8 +43,11 @@ class MeshMixedPrecision(_MeshClipping, MixedPrecision):
     """``precision="bf16-mixed"`` with mesh-wide clipping."""
 
 
-_MESH_CLASSES: dict[type, type] = {Precision: MeshPrecision, HalfPrecision: MeshHalfPrecision,
-                                   MixedPrecision: MeshMixedPrecision}
+_MESH_CLASSES: dict[type, type] = {
+    Precision: MeshPrecision,
+    HalfPrecision: MeshHalfPrecision,
+    MixedPrecision: MeshMixedPrecision,
+}
 
 
 def with_mesh_clipping(plugin: Precision, norm_groups: Callable[[], tuple[dist.ProcessGroup, ...]]) -> Precision:
@@ -54,8 +57,10 @@ def with_mesh_clipping(plugin: Precision, norm_groups: Callable[[], tuple[dist.P
         return plugin
     cls = _MESH_CLASSES.get(type(plugin))
     if cls is None:
-        raise TypeError(f"HybridParallelStrategy supports Lightning's Precision, HalfPrecision and MixedPrecision "
-                        f"plugins (Trainer(precision=...)), got {type(plugin).__name__}")
+        raise TypeError(
+            f"HybridParallelStrategy supports Lightning's Precision, HalfPrecision and MixedPrecision "
+            f"plugins (Trainer(precision=...)), got {type(plugin).__name__}"
+        )
     mesh_plugin = cls.__new__(cls)
     mesh_plugin.__dict__.update(plugin.__dict__)  # same precision, dtype, device and scaler as Lightning's choice
     mesh_plugin.norm_groups = norm_groups

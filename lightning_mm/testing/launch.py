@@ -32,8 +32,14 @@ def free_port() -> int:
 
 def _rank_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout: float, results) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        GROUP_RANK="0",
     )
     torch.set_num_threads(1)  # ranks share the machine's cores; oversubscription makes runs slow, not wrong
     try:
@@ -63,8 +69,10 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, pg_timeout, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, pg_timeout, results), daemon=True)
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     collected: dict[int, Any] = {}
@@ -78,8 +86,9 @@ def run_distributed(
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(collected))} did not "
-                                       f"finish within {timeout:.0f} s") from None
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout:.0f} s"
+                    ) from None
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")

@@ -78,4 +78,3 @@ def read_offline_history(run_dir: str | Path) -> list[dict[str, Any]]:
 def metric_series(history: list[dict[str, Any]], key: str) -> list[float]:
     """Values of ``key`` in logging order."""
     return [row[key] for row in history if key in row]
-

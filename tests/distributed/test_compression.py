@@ -77,8 +77,7 @@ def _collectives(rank: int, world: int) -> dict:
     out["a2a_excess"] = ((got - exact).abs().reshape(-1) - torch.cat(bound)).max().item()
     other = 1 - rank
     segment = inputs[rank][sum(send_splits[rank][:other]) :][: send_splits[rank][other]]
-    out["a2a_bytes"] = (stats.bytes_before, stats.bytes_after,
-                        segment.numel() * 4, encode(segment, DENSE).nbytes + 8)
+    out["a2a_bytes"] = (stats.bytes_before, stats.bytes_after, segment.numel() * 4, encode(segment, DENSE).nbytes + 8)
 
     # reduce-scatter (qgZ): rank j receives everyone's chunk j; own chunk exact, the others' within their bound.
     chunk = 1000
@@ -103,8 +102,9 @@ def _collectives(rank: int, world: int) -> dict:
     got = compressed_all_gather(ag_inputs[rank], DENSE)
     exact = torch.cat([ag_inputs[r] for r in range(world)])
     out["ag"] = got
-    out["ag_excess"] = ((got - exact).abs() - torch.cat([_half_scale(ag_inputs[r], DENSE) for r in range(world)])
-                        ).max().item()
+    out["ag_excess"] = (
+        ((got - exact).abs() - torch.cat([_half_scale(ag_inputs[r], DENSE) for r in range(world)])).max().item()
+    )
 
     # all-reduce (coalesced, 4-bit, a tensor under min_numel, lengths not divisible by the world size).
     config = CodecConfig(bits=4, block_size=16, min_numel=16)
@@ -183,8 +183,9 @@ def _collectives(rank: int, world: int) -> dict:
         exact = g.clone()
         dist.all_reduce(exact)
         exact_sum += exact / world
-        out_sum += compressed_all_reduce_coalesced([g], config, residuals=[residual],
-                                                   gather_residuals=[gather_residual])[0]
+        out_sum += compressed_all_reduce_coalesced(
+            [g], config, residuals=[residual], gather_residuals=[gather_residual]
+        )[0]
     residuals = [torch.empty(numel) for _ in range(world)]
     dist.all_gather(residuals, residual)
     gather_residuals = [torch.empty(c) for _ in range(world)]
@@ -281,9 +282,18 @@ class _ResidualsAtStart(L.Callback):
 
 def _trainer(world: int, strategy, steps: int, callbacks: list) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
     )
 
 
@@ -325,12 +335,24 @@ def _checkpoint_round_trip(rank: int, world: int, directory: str) -> dict:
 
 
 def _training(rank: int, world: int, directory: str) -> dict:
-    out = {f"ddp_{name}": _fit(rank, world, "ddp", kwargs) for name, kwargs in
-           (("plain", None), ("int8", {"topk_ratio": 1.0, "bits": 8}),
-            ("top1_ramp", {"topk_ratio": 0.01, "warmup_steps": 1, "sparsity_warmup_steps": 3}))}
-    out.update({f"fsdp2_{name}": _fit(rank, world, "fsdp2", kwargs) for name, kwargs in
-                (("plain", None), ("int8", {"topk_ratio": 1.0, "bits": 8}),
-                 ("top1", {"topk_ratio": 0.01, "warmup_steps": 1}))})
+    out = {
+        f"ddp_{name}": _fit(rank, world, "ddp", kwargs)
+        for name, kwargs in (
+            ("plain", None),
+            ("int8", {"topk_ratio": 1.0, "bits": 8}),
+            ("top1_ramp", {"topk_ratio": 0.01, "warmup_steps": 1, "sparsity_warmup_steps": 3}),
+        )
+    }
+    out.update(
+        {
+            f"fsdp2_{name}": _fit(rank, world, "fsdp2", kwargs)
+            for name, kwargs in (
+                ("plain", None),
+                ("int8", {"topk_ratio": 1.0, "bits": 8}),
+                ("top1", {"topk_ratio": 0.01, "warmup_steps": 1}),
+            )
+        }
+    )
     out["checkpoint"] = _checkpoint_round_trip(rank, world, directory)
     return out
 
@@ -400,5 +422,7 @@ def test_per_rank_residuals_round_trip_through_a_checkpoint():
                 assert torch.equal(restored[part][key], value), (rank, key)
         assert r["checkpoint"]["global_step"] == 4
     # The ranks' residuals differ (their gradients differ), so a rank-0-only save would have been wrong.
-    assert any(not torch.equal(results[0]["checkpoint"]["saved"]["feedback"][k], v)
-               for k, v in results[1]["checkpoint"]["saved"]["feedback"].items())
+    assert any(
+        not torch.equal(results[0]["checkpoint"]["saved"]["feedback"][k], v)
+        for k, v in results[1]["checkpoint"]["saved"]["feedback"].items()
+    )

@@ -49,14 +49,24 @@ def _fit(rank: int, world: int, compression: dict | None) -> dict:
     # The compression callback first: it logs in on_train_batch_end, before _Metrics reads.
     callback = CompressedAllToAll(**compression) if compression is not None else None
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=HybridParallelStrategy(expert_parallel=2), max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=world,
+        strategy=HybridParallelStrategy(expert_parallel=2),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
         callbacks=([callback] if callback else []) + [recorder, metrics],
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-              for n, p in module.model.named_parameters()}
+    params = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in module.model.named_parameters()
+    }
     codecs_left = [m.dispatcher.codec for m in ep_lib.expert_modules(module)]
     return {"losses": recorder.losses, "metrics": metrics.rows, "params": params, "codecs_left": codecs_left}
 
@@ -122,8 +132,9 @@ def test_without_an_active_codec_the_expert_parallel_path_is_bit_identical():
         assert warmup["losses"] == plain["losses"]
         for name, value in plain["params"].items():
             assert torch.equal(warmup["params"][name], value), name
-        assert all(row["compression/moe_active"] == 0.0 and row["compression/moe_ratio"] == 1.0
-                   for row in warmup["metrics"])
+        assert all(
+            row["compression/moe_active"] == 0.0 and row["compression/moe_ratio"] == 1.0 for row in warmup["metrics"]
+        )
 
 
 def test_non_finite_segments_are_sent_raw_and_counted():
@@ -133,8 +144,9 @@ def test_non_finite_segments_are_sent_raw_and_counted():
     received = rank1["out"][:2]  # rows 0..1 of rank 1's output came from rank 0's rows 2..3, raw
     assert torch.isnan(received[0, 5])
     torch.testing.assert_close(received, rank0["x"][2:], rtol=0, atol=0, equal_nan=True)  # raw: exact
-    torch.testing.assert_close(rank0["out"][2:], rank1["x"][:2], atol=rank1["x"][:2].abs().max().item() / 254,
-                               rtol=0)  # quantized: within half a scale
+    torch.testing.assert_close(
+        rank0["out"][2:], rank1["x"][:2], atol=rank1["x"][:2].abs().max().item() / 254, rtol=0
+    )  # quantized: within half a scale
     assert torch.equal(rank0["out"][:2], rank0["x"][:2])  # own segment stays exact
 
 

@@ -29,9 +29,18 @@ def _fit(rank: int, world: int) -> dict:
     batches = shard_batches(random_samples(GLOBAL_BATCH * STEPS, seed=7), GLOBAL_BATCH, rank, world)
     losses, grads = LossRecorder(), _FirstStepGradients()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[losses, grads],
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=[losses, grads],
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     updates = {k: v.detach() - initial[k] for k, v in module.model.state_dict().items()}

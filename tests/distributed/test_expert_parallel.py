@@ -59,10 +59,12 @@ class TrafficRecorder(L.Callback):
             for pair, count in rank_stats["pair_counts"].items():
                 pairs[pair] = pairs.get(pair, 0) + count
         self.per_step = {
-            "calls_per_rank": gathered[0]["total_calls"], "calls_by_kind": gathered[0]["calls"],
+            "calls_per_rank": gathered[0]["total_calls"],
+            "calls_by_kind": gathered[0]["calls"],
             "payload_bytes": sum(s["payload_bytes"] for s in gathered),
             "metadata_bytes": sum(s["metadata_bytes"] for s in gathered),
-            "participants": sum(pairs.values()), "distinct_pairs": sorted(pairs),
+            "participants": sum(pairs.values()),
+            "distinct_pairs": sorted(pairs),
         }
 
 
@@ -103,21 +105,39 @@ def _fit(rank: int, world: int, kwargs: dict | None) -> dict:
     batches = shard_batches(random_samples(GLOBAL_BATCH * STEPS, seed=7), GLOBAL_BATCH, dp_rank, dp_size)
     recorder, traffic, grads = LossRecorder(), TrafficRecorder(), FirstGradients()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1 if kwargs is None else world, strategy=strategy, max_steps=STEPS,
-        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=1 if kwargs is None else world,
+        strategy=strategy,
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
         callbacks=[recorder, grads] + ([traffic] if kwargs is not None else []),
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     params, layout = {}, {}
     for name, param in module.model.named_parameters():
         params[name] = _logical(module.model, name, _full(param))
-        layout[name] = (type(param).__name__, str(param.device_mesh.mesh_dim_names) if isinstance(param, DTensor)
-                        else None, str(param.placements) if isinstance(param, DTensor) else None,
-                        tuple(param.to_local().shape) if isinstance(param, DTensor) else tuple(param.shape))
+        layout[name] = (
+            type(param).__name__,
+            str(param.device_mesh.mesh_dim_names) if isinstance(param, DTensor) else None,
+            str(param.placements) if isinstance(param, DTensor) else None,
+            tuple(param.to_local().shape) if isinstance(param, DTensor) else tuple(param.shape),
+        )
     updates = {name: params[name] - initial[name] for name in params}
-    return {"losses": recorder.losses, "params": params, "updates": updates, "layout": layout,
-            "traffic": traffic.per_step, "grads": grads.grads}
+    return {
+        "losses": recorder.losses,
+        "params": params,
+        "updates": updates,
+        "layout": layout,
+        "traffic": traffic.per_step,
+        "grads": grads.grads,
+    }
 
 
 def _checkpoint_round_trip(rank: int, world: int, directory: str) -> dict:
@@ -128,9 +148,19 @@ def _checkpoint_round_trip(rank: int, world: int, directory: str) -> dict:
     val = shard_batches(random_samples(GLOBAL_BATCH * 2, seed=11), GLOBAL_BATCH, dp_rank, dp_size)
 
     def trainer(strategy, **extra):
-        return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=3, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, use_distributed_sampler=False, **extra)
+        return L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+            **extra,
+        )
 
     def module():
         L.seed_everything(SEED, verbose=False)
@@ -142,15 +172,21 @@ def _checkpoint_round_trip(rank: int, world: int, directory: str) -> dict:
     fit_trainer.fit(fitted, loader(train))
     path = f"{directory}/ep2.ckpt"
     fit_trainer.save_checkpoint(path)
-    results = {"val_ep2": trainer(HybridParallelStrategy(expert_parallel=2)).validate(
-        module(), loader(val), ckpt_path=path, verbose=False)[0]["val/loss"]}
-    results["val_untrained"] = trainer(HybridParallelStrategy()).validate(
-        module(), loader(val), verbose=False)[0]["val/loss"]
+    results = {
+        "val_ep2": trainer(HybridParallelStrategy(expert_parallel=2)).validate(
+            module(), loader(val), ckpt_path=path, verbose=False
+        )[0]["val/loss"]
+    }
+    results["val_untrained"] = trainer(HybridParallelStrategy()).validate(module(), loader(val), verbose=False)[0][
+        "val/loss"
+    ]
     results["val_fsdp2_from_ep2"] = trainer(HybridParallelStrategy()).validate(
-        module(), loader(val), ckpt_path=path, verbose=False)[0]["val/loss"]
+        module(), loader(val), ckpt_path=path, verbose=False
+    )[0]["val/loss"]
     try:
         trainer(HybridParallelStrategy(expert_parallel=2, expert_placement="uniform")).validate(
-            module(), loader(val), ckpt_path=path, verbose=False)
+            module(), loader(val), ckpt_path=path, verbose=False
+        )
         results["uniform_error"] = None
     except ValueError as error:
         results["uniform_error"] = str(error)
@@ -226,13 +262,17 @@ def test_experts_are_placed_as_intended(name):
     for param_name, (kind, mesh, placements, local_shape) in layout.items():
         if param_name.rsplit(".", 1)[-1] in ep_lib.EXPERT_PARAM_NAMES and ".experts." in param_name:
             # Sharded over ep (and dp_shard_mod_ep), never again by the block's FSDP over dp_shard.
-            assert (kind, mesh, placements, local_shape[0]) == ("DTensor", *EXPERT_LAYOUT[world]), (param_name,
-                                                                                                   layout[param_name])
+            assert (kind, mesh, placements, local_shape[0]) == ("DTensor", *EXPERT_LAYOUT[world]), (
+                param_name,
+                layout[param_name],
+            )
         elif param_name == "logit_scale":
             assert kind != "DTensor"
         else:  # dense, routers included: FSDP over the whole dp_shard
-            assert (kind, mesh, placements) == ("DTensor", "('dp_shard',)", "(Shard(dim=0),)"), (param_name,
-                                                                                                layout[param_name])
+            assert (kind, mesh, placements) == ("DTensor", "('dp_shard',)", "(Shard(dim=0),)"), (
+                param_name,
+                layout[param_name],
+            )
     assert any(".router_text." in n for n in layout)
 
 
@@ -242,8 +282,10 @@ def test_modality_placement_exchanges_less_than_uniform():
     print(f"{'config':<20} {'calls/rank':>10} {'participants':>13} {'payload bytes':>14} {'metadata bytes':>15}")
     for name in CONFIGS:
         t = _result(name)["traffic"]
-        print(f"{name:<20} {t['calls_per_rank']:>10} {t['participants']:>13} {t['payload_bytes']:>14} "
-              f"{t['metadata_bytes']:>15}")
+        print(
+            f"{name:<20} {t['calls_per_rank']:>10} {t['participants']:>13} {t['payload_bytes']:>14} "
+            f"{t['metadata_bytes']:>15}"
+        )
     # Same number of calls (2 modalities x fusion layers x (counts + dispatch + combine) + backward of the latter).
     assert modality["calls_per_rank"] == uniform["calls_per_rank"]
     # Modality placement: each modality's tokens only travel towards the ep rank holding that group, i.e. one

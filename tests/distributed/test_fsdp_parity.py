@@ -122,8 +122,10 @@ def _check(per_rank: list[dict], expected_placements: tuple, expected_mesh_dims:
                 initial = initials[pname]
                 param_errors.append(_relative_error(fsdp["params"][pname] - initial, param - initial))
                 assert param_errors[-1] < 2e-4, pname
-        print(f"{name}: max relative loss difference {rel:.2e}, max relative parameter "
-              f"{'difference' if name == 'sgd' else 'update difference'} {max(param_errors):.2e}")
+        print(
+            f"{name}: max relative loss difference {rel:.2e}, max relative parameter "
+            f"{'difference' if name == 'sgd' else 'update difference'} {max(param_errors):.2e}"
+        )
         # Really sharded: every parameter is a DTensor sharded on dim 0 of the dp_shard axis, and a
         # multi-row parameter's local shard is smaller than the full parameter. Exception: the 0-d logit_scale,
         # which fully_shard rejects, stays a plain replicated tensor (its gradient is averaged by a hook).

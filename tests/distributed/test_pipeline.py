@@ -82,9 +82,19 @@ class _NoBackwardStrategy(HybridParallelStrategy):
 
 def _trainer(devices: int, strategy, accumulate: int, clip, callbacks) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, gradient_clip_val=clip,
-        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
         callbacks=callbacks,
     )
 
@@ -151,15 +161,15 @@ def test_pipeline_matches_one_process(name):
     reference = _reference(name)
     assert len(reference["losses"]) == STEPS * CONFIGS[name][3]
     assert reference["losses"][0] != reference["losses"][-1]
-    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference["losses"]), rtol=1e-5,
-                               atol=0)
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
     params, initial = _merged_params(results, "params"), _merged_params(results, "initial")
     assert set(params) == set(reference["params"])  # the stages together hold every parameter once
     for param_name, expected in reference["params"].items():
         # Same tolerances and reasoning as test_strategy_parity: AdamW amplifies last-bit gradient differences of
         # near-zero elements up to ~lr; a lost or doubled update is orders of magnitude larger.
-        torch.testing.assert_close(params[param_name], expected, rtol=1e-4, atol=2e-4,
-                                   msg=lambda m, n=param_name: f"{n}: {m}")
+        torch.testing.assert_close(
+            params[param_name], expected, rtol=1e-4, atol=2e-4, msg=lambda m, n=param_name: f"{n}: {m}"
+        )
         assert not torch.equal(params[param_name], initial[param_name]), f"{param_name} did not train"
 
 

@@ -35,9 +35,18 @@ def _loader(count: int, seed: int):
 
 def _trainer(devices: int, strategy, callbacks=(), root=None) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-        enable_checkpointing=bool(callbacks), callbacks=list(callbacks), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=1, use_distributed_sampler=False, default_root_dir=root,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=list(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
+        use_distributed_sampler=False,
+        default_root_dir=root,
         limit_val_batches=1,
     )
 
@@ -47,8 +56,9 @@ def _run(rank: int, world: int, kwargs: dict, load: str | None, save_dir: str | 
     out: dict = {}
     val = _loader(GLOBAL_BATCH, seed=11)
     if load is not None:
-        metrics = _trainer(world, HybridParallelStrategy(**kwargs)).validate(_module(), val, ckpt_path=load,
-                                                                             verbose=False)[0]
+        metrics = _trainer(world, HybridParallelStrategy(**kwargs)).validate(
+            _module(), val, ckpt_path=load, verbose=False
+        )[0]
         out["loaded"] = metrics["val/caption_loss"]
     if save_dir is not None:
         saver = ModelCheckpoint(dirpath=save_dir, filename="last", save_top_k=-1, every_n_train_steps=STEPS)
@@ -56,7 +66,8 @@ def _run(rank: int, world: int, kwargs: dict, load: str | None, save_dir: str | 
         _trainer(world, HybridParallelStrategy(**kwargs), [saver]).fit(module, _loader(GLOBAL_BATCH * STEPS, 7))
         path = str(Path(save_dir) / "last.ckpt")
         out["saved"] = _trainer(world, HybridParallelStrategy(**kwargs)).validate(module, val, verbose=False)[0][
-            "val/caption_loss"]
+            "val/caption_loss"
+        ]
         out["path"] = path
     return out
 

@@ -42,9 +42,17 @@ def _run(rank: int, world: int, png: str) -> dict:
     module = VLMModule(preset="tiny", model_overrides={"fusion_layers": 3})
     batches = [pad_batch(b, (8, 20, 14, 1)) for b in shard_batches(random_samples(8 * STEPS, seed=1), 8, 0, 1)]
     timeline, logger = PipelineTimeline(step=1, path=png), _ImageLogger()
-    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS, logger=logger, callbacks=[timeline],
-                        strategy=HybridParallelStrategy(pipeline_parallel=2, microbatches=MICROBATCHES),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        logger=logger,
+        callbacks=[timeline],
+        strategy=HybridParallelStrategy(pipeline_parallel=2, microbatches=MICROBATCHES),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("pipeline/")}
     return {"timeline": timeline.timeline, "images": logger.images, "metrics": metrics}
@@ -72,6 +80,6 @@ def test_timeline_is_causal_and_logged(tmp_path):
     assert timeline["theory"] == (2 - 1) / (MICROBATCHES + 2 - 1)
     assert Path(png).is_file() and Path(png).stat().st_size > 1000
     assert results[0]["metrics"]["pipeline/idle_theory"] == pytest.approx(timeline["theory"])  # logged as fp32
-    (key, images, step, caption), = results[0]["images"]
+    ((key, images, step, caption),) = results[0]["images"]
     assert key == "pipeline/timeline" and images == [str(png)] and "1F1B pp=2 m=4" in caption[0]
     assert results[1]["images"] == []  # rank 0 logs the image once

@@ -71,13 +71,25 @@ def _data(dp_rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x = torch.randn(STEPS, GLOBAL_BATCH, 6, generator=gen)
     y = torch.randint(0, 5, (STEPS, GLOBAL_BATCH), generator=gen)
     per = GLOBAL_BATCH // dp
-    return [(x[s, dp_rank * per:(dp_rank + 1) * per], y[s, dp_rank * per:(dp_rank + 1) * per]) for s in range(STEPS)]
+    return [
+        (x[s, dp_rank * per : (dp_rank + 1) * per], y[s, dp_rank * per : (dp_rank + 1) * per]) for s in range(STEPS)
+    ]
 
 
 def _trainer(devices: int, strategy) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, gradient_clip_val=CLIP,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     use_distributed_sampler=False, callbacks=[LossRecorder()])
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[LossRecorder()],
+    )
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,13 +99,13 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _fit(rank: int, world: int) -> dict:
     L.seed_everything(SEED, verbose=False)
     module = Classifier()
-    strategy = HybridParallelStrategy(pipeline_parallel=2, pipeline_split=SPLIT, pipeline_schedule="1F1B",
-                                      microbatches=2)
+    strategy = HybridParallelStrategy(
+        pipeline_parallel=2, pipeline_split=SPLIT, pipeline_schedule="1F1B", microbatches=2
+    )
     dp = world // 2
     trainer = _trainer(world, strategy)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_data(rank % dp, dp), batch_size=None))
-    return {"losses": trainer.callbacks[0].losses,
-            "params": {n: _full(p) for n, p in module.named_parameters()}}
+    return {"losses": trainer.callbacks[0].losses, "params": {n: _full(p) for n, p in module.named_parameters()}}
 
 
 @functools.cache
@@ -115,8 +127,7 @@ def test_user_module_pipeline_matches_one_process(world):
     results, reference = _parallel(world), _reference()
     assert len(reference["losses"]) == STEPS and reference["losses"][0] != reference["losses"][-1]
     for result in results:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5,
-                                   atol=0)
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
     merged: dict[str, torch.Tensor] = {}
     for result in results:
         for name, value in result["params"].items():

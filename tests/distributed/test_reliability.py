@@ -50,11 +50,14 @@ PIPELINE_SHAPE = (GLOBAL_BATCH, 19, 13, 1)
 def _strategy(name: str):
     if name == "ddp":
         return DDPStrategy()
-    return HybridParallelStrategy(**{
-        "fsdp2": {}, "hsdp2x1": {"data_parallel_replicate": 2, "data_parallel_shard": 1},
-        "tp2": {"tensor_parallel": 2},
-        "pp2": {"pipeline_parallel": 2, "microbatches": 2, "pipeline_shape": PIPELINE_SHAPE},
-    }[name])
+    return HybridParallelStrategy(
+        **{
+            "fsdp2": {},
+            "hsdp2x1": {"data_parallel_replicate": 2, "data_parallel_shard": 1},
+            "tp2": {"tensor_parallel": 2},
+            "pp2": {"pipeline_parallel": 2, "microbatches": 2, "pipeline_shape": PIPELINE_SHAPE},
+        }[name]
+    )
 
 
 def _dp(name: str, rank: int, world: int) -> tuple[int, int]:
@@ -63,10 +66,20 @@ def _dp(name: str, rank: int, world: int) -> tuple[int, int]:
 
 def _trainer(strategy, steps: int, callbacks, root: str, clip: float | None = None) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, gradient_clip_val=clip, logger=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        gradient_clip_val=clip,
+        logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        use_distributed_sampler=False, callbacks=callbacks, default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+        default_root_dir=root,
     )
 
 
@@ -80,19 +93,24 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _guarded(fn):
     """Run one fit; a failure becomes a traceback string so the other fits of the spawn still report."""
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 - reported to the test that reads this fit
             return {"error": traceback.format_exc()}
+
     return run
 
 
 # ------------------------------------------------------------------------------------ gradient consistency
 
-CORRUPT = {"ddp": "model.vision.patch_embed.weight", "fsdp2": "model.logit_scale",
-           "hsdp2x1": "model.fusion_layers.0.cross_attn.q_proj.weight"}
+CORRUPT = {
+    "ddp": "model.vision.patch_embed.weight",
+    "fsdp2": "model.logit_scale",
+    "hsdp2x1": "model.fusion_layers.0.cross_attn.q_proj.weight",
+}
 
 
 class _CorruptGradient(L.Callback):
@@ -118,9 +136,15 @@ class _Reports(L.Callback):
         self.record(trainer)
 
     def record(self, trainer) -> None:
-        self.steps.append({"rows": self.check.last_rows, "mismatches": self.check.last_mismatches,
-                           "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()
-                                       if k.startswith("grad_consistency/")}})
+        self.steps.append(
+            {
+                "rows": self.check.last_rows,
+                "mismatches": self.check.last_mismatches,
+                "metrics": {
+                    k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("grad_consistency/")
+                },
+            }
+        )
 
 
 @_guarded
@@ -204,8 +228,13 @@ def _guard_fit(rank: int, world: int, name: str, root: str) -> dict:
         stopped = str(err)
     ids = [batch.sample_ids[batch.sample_ids >= 0].tolist() for batch in batches]
     return {
-        "changed": effects.changed, "adam_steps": effects.adam_steps, "losses": losses.losses, "stopped": stopped,
-        "global_step": trainer.global_step, "skipped": guard.skipped, "ids": ids,
+        "changed": effects.changed,
+        "adam_steps": effects.adam_steps,
+        "losses": losses.losses,
+        "stopped": stopped,
+        "global_step": trainer.global_step,
+        "skipped": guard.skipped,
+        "ids": ids,
         "log": skip_log.read_text().splitlines() if skip_log.exists() else None,
         "params": [_full(p) for p in module.parameters()],
     }
@@ -216,9 +245,20 @@ def _guard_fit(rank: int, world: int, name: str, root: str) -> dict:
 # Parameters used only by images or by the image-text contrastive loss (measured: every other parameter gets a
 # non-zero gradient from an image-less batch). Expert weights are stacked (E, ...): experts [0, vision_experts) are
 # the vision group, the rest text.
-VISION_ONLY = ("model.vision.", "model.projector.", "model.image_proj.", "model.logit_scale", "model.text_pool_norm.",
-               "model.text_proj.", ".cross_attn_norm.", ".media_norm.", ".cross_attn.", ".cross_attn_gate",
-               ".media_ffn_norm.", ".experts.router_vision.")
+VISION_ONLY = (
+    "model.vision.",
+    "model.projector.",
+    "model.image_proj.",
+    "model.logit_scale",
+    "model.text_pool_norm.",
+    "model.text_proj.",
+    ".cross_attn_norm.",
+    ".media_norm.",
+    ".cross_attn.",
+    ".cross_attn_gate",
+    ".media_ffn_norm.",
+    ".experts.router_vision.",
+)
 EXPERT_STACKS = (".experts.w_in", ".experts.b_in", ".experts.w_out", ".experts.b_out")
 MISSING_STEPS = {0: "0 %", 1: "50 %, rank 0 none / rank 1 all", 2: "50 % inside each rank", 3: "100 %"}
 
@@ -265,8 +305,14 @@ class _GradientSummary(L.Callback):
         # Over all ranks: pipeline stages hold different parameters (elsewhere every rank holds every full gradient).
         summary = torch.stack([torch.stack(vision).max(), torch.stack(text).norm(), torch.tensor(float(not finite))])
         dist.all_reduce(summary, op=dist.ReduceOp.MAX)
-        self.steps.append({"images": self._images, "vision_max": float(summary[0]), "text_norm": float(summary[1]),
-                           "finite": not summary[2]})
+        self.steps.append(
+            {
+                "images": self._images,
+                "vision_max": float(summary[0]),
+                "text_norm": float(summary[1]),
+                "finite": not summary[2],
+            }
+        )
 
 
 @_guarded
@@ -352,7 +398,11 @@ def test_guard_skips_nan_and_spike_steps_on_all_ranks(results, name):
         # the run is stopped, by an error, at the second consecutive skip
         assert result["global_step"] == STOP_STEP and "2 optimizer steps in a row" in result["stopped"]
         assert [(r["step"], r["reason"].split(" (")[0]) for r in result["skipped"]] == [
-            (2, "non-finite loss"), (4, "loss spike"), (6, "non-finite loss"), (7, "non-finite loss")]
+            (2, "non-finite loss"),
+            (4, "loss spike"),
+            (6, "non-finite loss"),
+            (7, "non-finite loss"),
+        ]
     # replicas identical afterwards (under fsdp2: the gathered full parameters)
     for a, b in zip(per_rank[0]["params"], per_rank[1]["params"], strict=True):
         assert torch.equal(a, b)
@@ -372,7 +422,10 @@ def test_guard_under_pipeline_parallel_catches_nan_through_the_gradients(results
     per_rank = _fit_result(results, "guard", "pp2")
     for result in per_rank:
         assert [(r["step"], r["reason"]) for r in result["skipped"]] == [
-            (2, "non-finite gradient"), (6, "non-finite gradient"), (7, "non-finite gradient")]
+            (2, "non-finite gradient"),
+            (6, "non-finite gradient"),
+            (7, "non-finite gradient"),
+        ]
         assert result["global_step"] == STOP_STEP and "2 optimizer steps in a row" in result["stopped"]
         assert {step for step, changed in result["changed"].items() if not changed} == {2, 6}
         assert [result["adam_steps"][s] for s in range(6)] == [(c, c) for c in (1.0, 2.0, 2.0, 3.0, 4.0, 5.0)]
@@ -383,8 +436,11 @@ def test_guard_under_pipeline_parallel_catches_nan_through_the_gradients(results
 def test_missing_images_train_finitely(results, name, step):
     per_rank = _fit_result(results, "missing", name)
     images = [r["steps"][step]["images"] for r in per_rank]
-    expected = {0: [4, 4], 1: [0, 4], 2: [2, 2], 3: [0, 0]}[step] if name in ("ddp", "fsdp2") else \
-        {0: [8, 8], 1: [4, 4], 2: [4, 4], 3: [0, 0]}[step]  # tp / pp peers: the whole global batch
+    expected = (
+        {0: [4, 4], 1: [0, 4], 2: [2, 2], 3: [0, 0]}[step]
+        if name in ("ddp", "fsdp2")
+        else {0: [8, 8], 1: [4, 4], 2: [4, 4], 3: [0, 0]}[step]
+    )  # tp / pp peers: the whole global batch
     assert images == expected  # the step really has the intended image layout
     for result in per_rank:
         summary = result["steps"][step]

@@ -39,8 +39,9 @@ STEPS, CHECKPOINT_EVERY, KEEP = 10, 2, 2
 KILL_STEP = random.Random(7).randrange(5, STEPS)  # seeded "random" step: reproducible failures
 
 
-def _launch(run_dir: Path, ckpt_dir: Path, *args: str, wait_for: tuple[int, ...] = (0, 1),
-            timeout: float = 150.0) -> dict:
+def _launch(
+    run_dir: Path, ckpt_dir: Path, *args: str, wait_for: tuple[int, ...] = (0, 1), timeout: float = 150.0
+) -> dict:
     """Start 2 ranks with torchrun's environment; wait until the ranks in ``wait_for`` exit (then kill the rest).
 
     Returns per rank the exit code (``None`` if it had to be killed), the exit time and stdout+stderr.
@@ -49,13 +50,28 @@ def _launch(run_dir: Path, ckpt_dir: Path, *args: str, wait_for: tuple[int, ...]
     port = free_port()
     procs, logs = [], []
     for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
-               "NODE_RANK": "0", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "NODE_RANK": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
         log = (run_dir / f"output{rank}.txt").open("ab")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(run_dir), "--ckpt-dir",
-                                       str(ckpt_dir), *args], env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), "--out", str(run_dir), "--ckpt-dir", str(ckpt_dir), *args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     exited: dict[int, float] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -77,8 +93,11 @@ def _launch(run_dir: Path, ckpt_dir: Path, *args: str, wait_for: tuple[int, ...]
             log.close()
     if not all(r in exited for r in wait_for):
         pytest.fail(f"ranks {[r for r in wait_for if r not in exited]} still running after {timeout:.0f} s")
-    return {"codes": codes, "exited": exited,
-            "output": [(run_dir / f"output{r}.txt").read_text(errors="replace") for r in range(2)]}
+    return {
+        "codes": codes,
+        "exited": exited,
+        "output": [(run_dir / f"output{r}.txt").read_text(errors="replace") for r in range(2)],
+    }
 
 
 def _records(run_dir: Path, rank: int) -> list[dict]:
@@ -99,8 +118,20 @@ def _run(name: str, root: str) -> dict:
     elif name == "uninterrupted":
         result = _launch(root_path / "uninterrupted", root_path / "uninterrupted_ckpt")
     else:  # frozen
-        result = _launch(root_path / "frozen", root_path / "frozen_ckpt", "--kill-step", "2", "--kill-signal",
-                         "STOP", "--peer-timeout", "8", "--strategy", "ddp", wait_for=(0,), timeout=85)
+        result = _launch(
+            root_path / "frozen",
+            root_path / "frozen_ckpt",
+            "--kill-step",
+            "2",
+            "--kill-signal",
+            "STOP",
+            "--peer-timeout",
+            "8",
+            "--strategy",
+            "ddp",
+            wait_for=(0,),
+            timeout=85,
+        )
     ckpt_dir = root_path / f"{'killed' if name == 'resumed' else name}_ckpt"
     result["checkpoints"] = sorted(p.name for p in ckpt_dir.iterdir()) if ckpt_dir.exists() else []
     result["last_target"] = os.readlink(ckpt_dir / "last.ckpt") if (ckpt_dir / "last.ckpt").is_symlink() else None

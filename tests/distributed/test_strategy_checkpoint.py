@@ -42,10 +42,18 @@ def _loaders(dp_rank: int, dp_size: int):
 
 def _trainer(devices: int, strategy, callbacks=(), root: str | None = None) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=MAX_STEPS, logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), callbacks=list(callbacks),
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, default_root_dir=root,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=MAX_STEPS,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        callbacks=list(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        default_root_dir=root,
     )
 
 
@@ -53,8 +61,9 @@ def _val_loss(trainer: L.Trainer, module: VLMModule, loader, ckpt_path=None) -> 
     return trainer.validate(module, loader, ckpt_path=ckpt_path, verbose=False)[0]["val/loss"]
 
 
-def _hybrid_run(rank: int, world: int, kwargs: dict, ckpt_dir: str, save: bool,
-                checkpoint_name: str = "epoch=0-step=3.ckpt") -> dict:
+def _hybrid_run(
+    rank: int, world: int, kwargs: dict, ckpt_dir: str, save: bool, checkpoint_name: str = "epoch=0-step=3.ckpt"
+) -> dict:
     dims = ParallelDims.from_args(world, **kwargs)
     train, val = _loaders(dims.data_parallel_rank(rank), dims.dp)
     recorder = LossRecorder()
@@ -98,8 +107,9 @@ def test_resume_on_a_different_mesh(saved, world, kwargs):
     assert resumed["val_loss"] == pytest.approx(run["val_loss"], rel=1e-6)
     # steps 4 and 5 continue the uninterrupted run (optimizer moments and LR schedule restored too)
     assert len(resumed["losses"]) == MAX_STEPS - BATCHES_PER_EPOCH
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(run["losses"][BATCHES_PER_EPOCH:]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(run["losses"][BATCHES_PER_EPOCH:]), rtol=1e-5, atol=0
+    )
 
 
 def test_consolidated_file_loads_in_a_plain_trainer(saved, tmp_path, capsys):
@@ -121,8 +131,9 @@ def test_consolidated_file_loads_in_a_plain_trainer(saved, tmp_path, capsys):
     # ... and a plain single-device Trainer resumes training from it (model, AdamW state, schedule, loops)
     recorder = LossRecorder()
     _trainer(1, "auto", [recorder]).fit(_module(), train, ckpt_path=str(out))
-    torch.testing.assert_close(torch.tensor(recorder.losses), torch.tensor(run["losses"][BATCHES_PER_EPOCH:]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(recorder.losses), torch.tensor(run["losses"][BATCHES_PER_EPOCH:]), rtol=1e-5, atol=0
+    )
 
 
 def test_consolidate_names_a_bad_directory(tmp_path, capsys):
@@ -138,5 +149,6 @@ def test_consolidated_file_resumes_under_the_hybrid_strategy(saved, tmp_path):
     ckpt.consolidate(ckpt_dir / "epoch=0-step=3.ckpt", tmp_path / "full.ckpt")
     resumed = run_distributed(_hybrid_run, 2, {}, str(tmp_path), False, "full.ckpt", timeout=300)[0]
     assert resumed["val_loss"] == pytest.approx(run["val_loss"], rel=1e-6)
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(run["losses"][BATCHES_PER_EPOCH:]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(run["losses"][BATCHES_PER_EPOCH:]), rtol=1e-5, atol=0
+    )

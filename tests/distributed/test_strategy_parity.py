@@ -38,7 +38,9 @@ CONFIGS: dict[str, tuple[int, dict]] = {
     "fsdp2_activation_checkpointing": (2, {"activation_checkpointing": True}),
     "fsdp2xtp2": (4, {"tensor_parallel": 2}),
     "fsdp2xtp2_sequence_parallel_activation_checkpointing": (
-        4, {"tensor_parallel": 2, "sequence_parallel": True, "activation_checkpointing": True}),
+        4,
+        {"tensor_parallel": 2, "sequence_parallel": True, "activation_checkpointing": True},
+    ),
     "hsdp2x2": (4, {"data_parallel_replicate": 2, "data_parallel_shard": 2}),
 }
 
@@ -49,9 +51,19 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _trainer(world: int, strategy, callbacks) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, gradient_clip_val=CLIP,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
     )
 
 
@@ -162,8 +174,11 @@ def _fit_user(rank: int, world: int, kwargs: dict | None) -> dict:
     trainer = _trainer(1 if kwargs is None else world, strategy, [recorder])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_user_batches(), batch_size=None))
     params = {name: _full(param) for name, param in module.named_parameters()}
-    return {"losses": recorder.losses, "params": params,
-            "up_is_dtensor": isinstance(module.encoder["up"].weight, DTensor)}
+    return {
+        "losses": recorder.losses,
+        "params": params,
+        "up_is_dtensor": isinstance(module.encoder["up"].weight, DTensor),
+    }
 
 
 def test_user_model_with_user_tp_plan_matches_one_process():

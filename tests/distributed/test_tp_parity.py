@@ -96,8 +96,10 @@ def _norm_input_and_collectives(model: VisionLanguageModel, batch) -> dict:
 def _short_batch(samples):
     """One patch per image (1 patch slot < tp = 2 ranks) and 3 tokens per caption (odd)."""
     return collate_one_per_row(
-        [dataclasses.replace(s, patches=s.patches[:1], patch_pos=s.patch_pos[:1], tokens=s.tokens[:3])
-         for s in samples],
+        [
+            dataclasses.replace(s, patches=s.patches[:1], patch_pos=s.patch_pos[:1], tokens=s.tokens[:3])
+            for s in samples
+        ],
         pad_id=0,
     )
 
@@ -156,9 +158,17 @@ def _run(rank: int, world: int) -> dict:
     except ValueError as error:
         heads_error = str(error)
     return {
-        "reference": reference, "tp": sharded, "layout": layout, "replicate_layout": replicate_layout,
-        "replicate_losses": replicate_losses, "heads_error": heads_error, "tp_probe": tp_probe,
-        "sp_reference": sp_reference, "sp": sp, "sp_probe": sp_probe, "sp_lengths": lengths,
+        "reference": reference,
+        "tp": sharded,
+        "layout": layout,
+        "replicate_layout": replicate_layout,
+        "replicate_losses": replicate_losses,
+        "heads_error": heads_error,
+        "tp_probe": tp_probe,
+        "sp_reference": sp_reference,
+        "sp": sp,
+        "sp_probe": sp_probe,
+        "sp_lengths": lengths,
     }
 
 
@@ -200,8 +210,10 @@ def test_replicate_style_keeps_numerics(results):
     for rank_result in results:
         assert rank_result["replicate_layout"] == (Replicate(),)
         torch.testing.assert_close(
-            torch.tensor(rank_result["replicate_losses"]), torch.tensor(rank_result["reference"]["losses"]),
-            rtol=1e-5, atol=0,
+            torch.tensor(rank_result["replicate_losses"]),
+            torch.tensor(rank_result["reference"]["losses"]),
+            rtol=1e-5,
+            atol=0,
         )
 
 
@@ -244,8 +256,9 @@ def test_sp_matches_one_process_with_adamw(results):
         # = 0.059 * lr (the last landed commit failed at 0.05 * lr there too), hence 0.1 * lr; the per-tensor
         # relative error check below stays at 1e-5.
         for name, param in reference["params"].items():
-            torch.testing.assert_close(sp["params"][name], param, rtol=1e-5, atol=0.1 * SP_LR,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                sp["params"][name], param, rtol=1e-5, atol=0.1 * SP_LR, msg=lambda m, n=name: f"{n}: {m}"
+            )
             assert _relative_error(sp["params"][name], param) < 1e-5, name
     for name, param in results[0]["sp"]["params"].items():
         assert torch.equal(param, results[1]["sp"]["params"][name]), name
@@ -268,4 +281,3 @@ def test_sp_reduce_scatters_instead_of_all_reducing(results):
         assert tp.get("all_reduce") == ROWWISE_LAYERS and "reduce_scatter_tensor" not in tp
         assert sp.get("reduce_scatter_tensor") == ROWWISE_LAYERS and "all_reduce" not in sp
         assert sp.get("all_gather_into_tensor", 0) >= ROWWISE_LAYERS  # one before each q/k/v or fc1
-

@@ -20,12 +20,30 @@ class _Ids(L.Callback):
 
 def _fit_one_epoch(rank: int, world: int, data_dir: str) -> dict:
     L.seed_everything(0, verbose=False)
-    dm = ImageTextWebDataModule(data_dir=data_dir, regroup="pack", rows_per_batch=4, max_patches_per_batch=192,
-                                max_tokens_per_batch=256, max_patches_per_image=16, max_text_tokens=48, buffer_size=64)
+    dm = ImageTextWebDataModule(
+        data_dir=data_dir,
+        regroup="pack",
+        rows_per_batch=4,
+        max_patches_per_batch=192,
+        max_tokens_per_batch=256,
+        max_patches_per_image=16,
+        max_text_tokens=48,
+        buffer_size=64,
+    )
     ids = _Ids()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[ids])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[ids],
+    )
     model = VLMModule(preset="tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=16)
     trainer.fit(model, datamodule=dm)
     return {"ids": ids.ids, "steps": trainer.global_step, "plan": dm.train_dataloader().dataset.plan(0)}

@@ -37,8 +37,12 @@ def test_every_config_parses_and_instantiates(config, tmp_path):
         L.LightningDataModule,
         subclass_mode_data=True,
         run=False,
-        args=["--config", str(config), "--data.init_args.synthetic_preset=tiny",
-              f"--trainer.default_root_dir={tmp_path}"],
+        args=[
+            "--config",
+            str(config),
+            "--data.init_args.synthetic_preset=tiny",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
     )
     assert isinstance(cli.model, VLMModule)
     assert isinstance(cli.datamodule, (SimpleImageTextDataModule, ImageTextWebDataModule))
@@ -68,35 +72,69 @@ def test_fit_tiny_end_to_end_logs_to_offline_wandb(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
     env["NETRC"] = str(tmp_path / "no-netrc")  # no key configured -> the CLI must choose offline
     subprocess.run(
-        [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(REPO / "examples/configs/tiny.yaml"),
-         f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"],
-        cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lightning_mm.cli",
+            "fit",
+            "--config",
+            str(REPO / "examples/configs/tiny.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     runs = find_offline_runs(tmp_path)
     assert len(runs) == 1
     history = read_offline_history(runs[0])
-    for key in ("train/loss", "train/caption_loss", "samples_per_sec", "val/loss", "val/recall_at_1",
-                "val/token_accuracy", "val/perplexity", "data/padding_pct", "data/real_tokens"):
+    for key in (
+        "train/loss",
+        "train/caption_loss",
+        "samples_per_sec",
+        "val/loss",
+        "val/recall_at_1",
+        "val/token_accuracy",
+        "val/perplexity",
+        "data/padding_pct",
+        "data/real_tokens",
+    ):
         assert metric_series(history, key), key
     assert len(metric_series(history, "train/loss")) == 6  # log_every_n_steps: 1, max_steps: 6
     assert len(metric_series(history, "val/recall_at_1")) == 2  # val_check_interval: 3
 
 
 def test_console_script_help_lists_subcommands():
-    out = subprocess.run([sys.executable, "-m", "lightning_mm.cli", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for word in ("fit", "validate", "test", "make-shards"):
         assert word in out
 
 
 def test_make_shards_subcommand_is_wired(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
-        main(["make-shards", "--preset", "tiny", "--num-train", "8", "--num-val", "4", "--output-dir",
-              str(tmp_path / "shards")])
+        main(
+            [
+                "make-shards",
+                "--preset",
+                "tiny",
+                "--num-train",
+                "8",
+                "--num-val",
+                "4",
+                "--output-dir",
+                str(tmp_path / "shards"),
+            ]
+        )
     assert exit_info.value.code == 0
     assert (tmp_path / "shards" / "manifest.json").is_file()
-    result = subprocess.run([sys.executable, "-m", "lightning_mm.cli", "make-shards", "--num-train", "-3"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", "make-shards", "--num-train", "-3"], capture_output=True, text=True
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "--num-train" in result.stderr
 
@@ -105,9 +143,21 @@ def test_fit_with_hybrid_strategy_from_yaml_on_two_processes(tmp_path):
     """The strategy built from YAML, Lightning's own launcher starting the second process, a DCP checkpoint."""
     env = {**os.environ, "WANDB_MODE": "offline"}
     subprocess.run(
-        [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(REPO / "examples/configs/tiny_hybrid.yaml"),
-         f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"],
-        cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lightning_mm.cli",
+            "fit",
+            "--config",
+            str(REPO / "examples/configs/tiny_hybrid.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     checkpoints = list(tmp_path.glob("**/checkpoints/*.ckpt"))
     assert len(checkpoints) == 1 and checkpoints[0].is_dir()
@@ -121,11 +171,25 @@ def _fit_losses(tmp_path, *overrides: str) -> list[float]:
     tmp_path.mkdir(parents=True)
     env = {**os.environ, "WANDB_MODE": "offline"}
     subprocess.run(
-        [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(REPO / "examples/configs/tiny_hybrid.yaml"),
-         f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
-         "--trainer.max_steps=20", "--trainer.val_check_interval=10", "--trainer.enable_checkpointing=false",
-         *overrides],
-        cwd=tmp_path, env=env, check=True, capture_output=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "lightning_mm.cli",
+            "fit",
+            "--config",
+            str(REPO / "examples/configs/tiny_hybrid.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--trainer.max_steps=20",
+            "--trainer.val_check_interval=10",
+            "--trainer.enable_checkpointing=false",
+            *overrides,
+        ],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=400,
     )
     return metric_series(read_offline_history(find_offline_runs(tmp_path)[0]), "train/loss")
 
@@ -136,8 +200,12 @@ def test_fit_pipeline_parallel_keeps_the_losses_of_one_process(tmp_path):
     strategy is given by class path on the command line."""
     one = _fit_losses(tmp_path / "pp1", "--trainer.devices=1")
     pipelined = _fit_losses(
-        tmp_path / "pp2", "--trainer.devices=2", "--trainer.strategy=lightning_mm.strategies.HybridParallelStrategy",
-        "--trainer.strategy.pipeline_parallel=2", "--trainer.strategy.pipeline_schedule=1F1B")
+        tmp_path / "pp2",
+        "--trainer.devices=2",
+        "--trainer.strategy=lightning_mm.strategies.HybridParallelStrategy",
+        "--trainer.strategy.pipeline_parallel=2",
+        "--trainer.strategy.pipeline_schedule=1F1B",
+    )
     assert len(one) == len(pipelined) == 20
     assert one[0] != one[-1]
     torch.testing.assert_close(torch.tensor(pipelined), torch.tensor(one), rtol=1e-5, atol=0)

@@ -81,22 +81,52 @@ def main() -> None:
     timeout = timedelta(seconds=60)
     strategy = DDPStrategy(timeout=timeout) if args.strategy == "ddp" else HybridParallelStrategy(timeout=timeout)
     callbacks = [
-        ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=CHECKPOINT_EVERY, save_top_k=KEEP, monitor="step",
-                        mode="max", save_last="link"),
+        ModelCheckpoint(
+            dirpath=args.ckpt_dir,
+            every_n_train_steps=CHECKPOINT_EVERY,
+            save_top_k=KEEP,
+            monitor="step",
+            mode="max",
+            save_last="link",
+        ),
         RankWatchdog(heartbeat_interval=0.5, peer_timeout=args.peer_timeout, grace=2.0),
         BadBatchGuard(),
         _Record(out / f"rank{rank}.jsonl"),
         _Kill(args.kill_step, args.kill_rank, getattr(signal, f"SIG{args.kill_signal}"), out),
     ]
     L.seed_everything(0, verbose=False)
-    data = ImageTextWebDataModule(synthetic_preset="tiny", regroup="pack", rows_per_batch=4, max_patches_per_batch=192,
-                                  max_tokens_per_batch=256, buffer_size=64, max_patches_per_image=16,
-                                  max_text_tokens=48, seed=0)
-    model = VLMModule(preset="tiny", vocab_size=data.vocab_size, patch_size=16, max_patches_per_image=16,
-                      warmup_steps=2, learning_rate=3e-3)
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
-                        max_steps=args.max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, default_root_dir=args.out)
+    data = ImageTextWebDataModule(
+        synthetic_preset="tiny",
+        regroup="pack",
+        rows_per_batch=4,
+        max_patches_per_batch=192,
+        max_tokens_per_batch=256,
+        buffer_size=64,
+        max_patches_per_image=16,
+        max_text_tokens=48,
+        seed=0,
+    )
+    model = VLMModule(
+        preset="tiny",
+        vocab_size=data.vocab_size,
+        patch_size=16,
+        max_patches_per_image=16,
+        warmup_steps=2,
+        learning_rate=3e-3,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=strategy,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        default_root_dir=args.out,
+    )
     trainer.fit(model, datamodule=data, ckpt_path="last")
 
 

@@ -94,8 +94,9 @@ def test_topk_encode_sends_the_k_largest_within_the_int8_bound():
     assert ((decoded[encoded.indices.long()] - x[encoded.indices.long()]).abs() <= scale / 2 + 1e-7).all()
 
 
-@pytest.mark.parametrize(("numel", "dtype"), [(256, torch.uint8), (257, torch.int16), (32768, torch.int16),
-                                               (32769, torch.int32)])
+@pytest.mark.parametrize(
+    ("numel", "dtype"), [(256, torch.uint8), (257, torch.int16), (32768, torch.int16), (32769, torch.int32)]
+)
 def test_indices_use_the_smallest_dtype_and_reach_the_last_element(numel, dtype):
     assert index_dtype_for(numel) == dtype
     x = torch.zeros(numel)
@@ -161,8 +162,15 @@ def test_tensors_under_min_numel_are_sent_raw_and_exact():
     assert encode(x, CodecConfig(min_numel=100)).mode == Mode.DENSE
 
 
-@pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(bits=4, block_size=7), CodecConfig(topk_ratio=0.1),
-                                    CodecConfig(topk_ratio=0.1, bits=4, scale_dtype="bfloat16")])
+@pytest.mark.parametrize(
+    "config",
+    [
+        CodecConfig(),
+        CodecConfig(bits=4, block_size=7),
+        CodecConfig(topk_ratio=0.1),
+        CodecConfig(topk_ratio=0.1, bits=4, scale_dtype="bfloat16"),
+    ],
+)
 def test_wire_format_round_trips_and_nbytes_is_the_wire_length(config):
     x = _varied(3001, seed=4)
     encoded = encode(x, config)
@@ -207,10 +215,17 @@ def test_error_feedback_state_round_trip_and_shape_change():
     assert torch.equal(restored.residual("a", (4,)), torch.zeros(4)) and restored.resets == ["a"]
 
 
-@pytest.mark.parametrize(("kwargs", "name"), [
-    ({"bits": 2}, "bits"), ({"block_size": 0}, "block_size"), ({"topk_ratio": 0.0}, "topk_ratio"),
-    ({"topk_ratio": 1.5}, "topk_ratio"), ({"scale_dtype": "float16"}, "scale_dtype"), ({"min_numel": -1}, "min_numel"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"bits": 2}, "bits"),
+        ({"block_size": 0}, "block_size"),
+        ({"topk_ratio": 0.0}, "topk_ratio"),
+        ({"topk_ratio": 1.5}, "topk_ratio"),
+        ({"scale_dtype": "float16"}, "scale_dtype"),
+        ({"min_numel": -1}, "min_numel"),
+    ],
+)
 def test_codec_config_errors_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         CodecConfig(**kwargs)
@@ -218,13 +233,18 @@ def test_codec_config_errors_name_the_argument(kwargs, name):
         CompressedAllToAll(**kwargs)
 
 
-@pytest.mark.parametrize(("kwargs", "name"), [
-    ({"targets": ("grad", "activations")}, "targets"), ({"targets": ()}, "targets"),
-    ({"warmup_steps": -1}, "warmup_steps"),
-    ({"sparsity_warmup_steps": -1}, "sparsity_warmup_steps"), ({"sparsity_warmup_steps": 2.5}, "sparsity_warmup_steps"),
-    ({"sparsity_warmup_steps": 10, "topk_ratio": 1.0}, "sparsity_warmup_steps"),
-    ({"sparsity_warmup_steps": 10, "targets": ("moe",)}, "sparsity_warmup_steps"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"targets": ("grad", "activations")}, "targets"),
+        ({"targets": ()}, "targets"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"sparsity_warmup_steps": -1}, "sparsity_warmup_steps"),
+        ({"sparsity_warmup_steps": 2.5}, "sparsity_warmup_steps"),
+        ({"sparsity_warmup_steps": 10, "topk_ratio": 1.0}, "sparsity_warmup_steps"),
+        ({"sparsity_warmup_steps": 10, "targets": ("moe",)}, "sparsity_warmup_steps"),
+    ],
+)
 def test_callback_errors_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         CompressedAllToAll(**kwargs)
@@ -260,7 +280,7 @@ def test_sparsity_warmup_decays_geometrically_to_topk_ratio():
     callback = CompressedAllToAll(topk_ratio=0.01, warmup_steps=3, sparsity_warmup_steps=100)
     assert [callback.topk_ratio_at(step) for step in range(3)] == [None, None, None]  # uncompressed warm-up
     ramp = [callback.topk_ratio_at(step) for step in range(3, 103)]
-    assert ramp[0] == pytest.approx(0.01 ** 0.01) and ramp[49] == pytest.approx(0.1)
+    assert ramp[0] == pytest.approx(0.01**0.01) and ramp[49] == pytest.approx(0.1)
     assert all(later < earlier for earlier, later in zip(ramp, ramp[1:], strict=False))
     # Equal ratios between consecutive steps (geometric), and the last ramp step lands exactly on topk_ratio.
     assert ramp[50] / ramp[49] == pytest.approx(ramp[1] / ramp[0]) and ramp[-1] == pytest.approx(0.01)
@@ -276,16 +296,21 @@ def test_sparsity_warmup_sets_the_codec_of_each_step():
         logged = callback.metrics()["compression/topk_ratio"]
         seen.append((callback.state.active, callback.state.config.topk_ratio, logged))
     assert seen[0] == (False, 0.01, 1.0)  # warm-up: uncompressed, logged as ratio 1
-    expected = [0.01 ** 0.25, 0.01 ** 0.5, 0.01 ** 0.75, 0.01, 0.01, 0.01]
+    expected = [0.01**0.25, 0.01**0.5, 0.01**0.75, 0.01, 0.01, 0.01]
     for (active, ratio, logged), want in zip(seen[1:], expected, strict=True):
         assert active and ratio == pytest.approx(want) and logged == ratio
     assert callback.config.topk_ratio == 0.01  # the configured target itself is never changed
 
 
-@pytest.mark.parametrize(("optimizer", "topk_ratio", "warns"), [
-    (torch.optim.AdamW, 0.01, True), (torch.optim.Adam, 0.1, True), (torch.optim.SGD, 0.01, False),
-    (torch.optim.AdamW, 1.0, False),
-])
+@pytest.mark.parametrize(
+    ("optimizer", "topk_ratio", "warns"),
+    [
+        (torch.optim.AdamW, 0.01, True),
+        (torch.optim.Adam, 0.1, True),
+        (torch.optim.SGD, 0.01, False),
+        (torch.optim.AdamW, 1.0, False),
+    ],
+)
 def test_top_k_with_an_adaptive_optimizer_warns(optimizer, topk_ratio, warns, recwarn):
     model = nn.Linear(2, 2)
     trainer = SimpleNamespace(optimizers=[optimizer(model.parameters(), lr=0.1)])

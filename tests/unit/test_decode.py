@@ -113,9 +113,13 @@ def shard(tmp_path):
 
 def test_index_follows_tar_order_and_reads_exact_bytes(shard):
     members = [
-        ("s000003.jpg", jpeg(30, 10)), ("s000003.txt", b"third  \n"), ("s000003.json", b'{"caption": "x"}'),
-        ("s000001.jpg", jpeg(7, 5)), ("s000001.txt", b"first"),
-        ("s000002.png", encode(Image.new("RGB", (3, 9), (1, 2, 3)), "PNG")), ("s000002.txt", b"second"),
+        ("s000003.jpg", jpeg(30, 10)),
+        ("s000003.txt", b"third  \n"),
+        ("s000003.json", b'{"caption": "x"}'),
+        ("s000001.jpg", jpeg(7, 5)),
+        ("s000001.txt", b"first"),
+        ("s000002.png", encode(Image.new("RGB", (3, 9), (1, 2, 3)), "PNG")),
+        ("s000002.txt", b"second"),
     ]
     url = shard(members)
     errors = ErrorLog()
@@ -137,10 +141,13 @@ def test_index_follows_tar_order_and_reads_exact_bytes(shard):
 
 
 def test_json_caption_used_without_txt_and_first_image_key_wins(shard):
-    url = shard([
-        ("a1.png", encode(Image.new("RGB", (5, 5)), "PNG")), ("a1.jpg", jpeg(8, 4)),
-        ("a1.json", json.dumps({"caption": "from json", "url": "http://x"}).encode()),
-    ])
+    url = shard(
+        [
+            ("a1.png", encode(Image.new("RGB", (5, 5)), "PNG")),
+            ("a1.jpg", jpeg(8, 4)),
+            ("a1.json", json.dumps({"caption": "from json", "url": "http://x"}).encode()),
+        ]
+    )
     (record,) = index_shard(url, ErrorLog())
     assert record.caption == "from json"
     assert (record.image_key, record.width, record.height) == ("jpg", 8, 4)  # jpg precedes png in IMAGE_KEYS
@@ -152,10 +159,15 @@ def test_grouping_like_webdataset(tmp_path):
     url = str(tmp_path / "shard.tar")
     with tarfile.open(url, "w") as tar:
         for name, data in [
-            ("dir/x.JPG", jpeg(4, 4)), ("dir/x.seg.png", b"?"), ("dir/x.txt", b"dotted"),  # ext lowercased
+            ("dir/x.JPG", jpeg(4, 4)),
+            ("dir/x.seg.png", b"?"),
+            ("dir/x.txt", b"dotted"),  # ext lowercased
             ("dir", None),  # a directory member in the middle: ignored, does not split the sample
-            ("__meta__", b"ignored"), ("README", b"no extension: ignored"),
-            ("y.jpg", jpeg(3, 3)), ("y.txt", b"old"), ("y.txt", b"new"),  # a later duplicate wins, as with tar -x
+            ("__meta__", b"ignored"),
+            ("README", b"no extension: ignored"),
+            ("y.jpg", jpeg(3, 3)),
+            ("y.txt", b"old"),
+            ("y.txt", b"new"),  # a later duplicate wins, as with tar -x
         ]:
             info = tarfile.TarInfo(name)
             if data is None:

@@ -48,8 +48,10 @@ def test_constructor_defaults_and_auto():
         (dict(world_size=4, data_parallel_shard="half"), ["data_parallel_shard", "'auto'", "'half'"]),
         (
             dict(world_size=4, data_parallel_replicate=3, data_parallel_shard=2),
-            ["data_parallel_replicate * data_parallel_shard * tensor_parallel * pipeline_parallel = 6 "
-             "does not equal the world size 4"],
+            [
+                "data_parallel_replicate * data_parallel_shard * tensor_parallel * pipeline_parallel = 6 "
+                "does not equal the world size 4"
+            ],
         ),
         (
             dict(world_size=8, data_parallel_shard=2, tensor_parallel=2),
@@ -57,8 +59,11 @@ def test_constructor_defaults_and_auto():
         ),
         (
             dict(world_size=6, tensor_parallel=4),
-            ["data_parallel_shard='auto'", "world size 6", "data_parallel_replicate * tensor_parallel * "
-             "pipeline_parallel = 4"],
+            [
+                "data_parallel_shard='auto'",
+                "world size 6",
+                "data_parallel_replicate * tensor_parallel * pipeline_parallel = 4",
+            ],
         ),
         (
             dict(world_size=8, data_parallel_shard=4, tensor_parallel=2, expert_parallel=3),
@@ -92,8 +97,9 @@ def test_properties_fsdp_only():
 
 
 def test_properties_hsdp_tp_pp_ep():
-    dims = ParallelDims.from_args(32, data_parallel_replicate=2, tensor_parallel=2, pipeline_parallel=2,
-                                  expert_parallel=2)
+    dims = ParallelDims.from_args(
+        32, data_parallel_replicate=2, tensor_parallel=2, pipeline_parallel=2, expert_parallel=2
+    )
     assert (dims.dp_replicate, dims.dp_shard, dims.dp, dims.data_parallel_size()) == (2, 4, 8, 8)
     assert dims.dp_replicate_enabled and dims.tp_enabled and dims.pp_enabled and dims.ep_enabled
     assert dims.fsdp_axes == ("dp_replicate", "dp_shard")

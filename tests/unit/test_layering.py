@@ -12,9 +12,11 @@ def _run(code: str) -> str:
 
 
 def test_parallel_imports_neither_lightning_nor_models():
-    out = _run("import sys, lightning_mm.parallel, lightning_mm.parallel.compression, lightning_mm.parallel.protocol; "
-               "print(sorted(m for m in sys.modules if m == 'lightning' or m.startswith(('lightning.', "
-               "'lightning_mm.models', 'lightning_mm.strategies'))))")
+    out = _run(
+        "import sys, lightning_mm.parallel, lightning_mm.parallel.compression, lightning_mm.parallel.protocol; "
+        "print(sorted(m for m in sys.modules if m == 'lightning' or m.startswith(('lightning.', "
+        "'lightning_mm.models', 'lightning_mm.strategies'))))"
+    )
     assert out == "[]"
 
 
@@ -24,7 +26,9 @@ def test_models_do_not_import_strategies():
 
 
 def test_hybrid_registered_by_importing_strategies_alone():
-    out = _run("import lightning as L, lightning_mm.strategies; "
-               "t = L.Trainer(strategy='hybrid', accelerator='cpu', devices=1, logger=False); "
-               "print(type(t.strategy).__name__)")
+    out = _run(
+        "import lightning as L, lightning_mm.strategies; "
+        "t = L.Trainer(strategy='hybrid', accelerator='cpu', devices=1, logger=False); "
+        "print(type(t.strategy).__name__)"
+    )
     assert out.splitlines()[-1] == "HybridParallelStrategy"

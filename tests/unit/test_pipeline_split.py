@@ -76,8 +76,9 @@ def test_auto_split_puts_vision_on_stage_0_and_balances(preset, rows, patches, t
         # Exact min-max partition: no contiguous split has a smaller largest stage (checked by brute force at 2).
         if stages == 2:
             units = model_units(config)
-            best = min(max(sum(costs[u] for u in units[:k]), sum(costs[u] for u in units[k:]))
-                       for k in range(1, len(units)))
+            best = min(
+                max(sum(costs[u] for u in units[:k]), sum(costs[u] for u in units[k:])) for k in range(1, len(units))
+            )
             assert max(per_stage) == pytest.approx(best)
             assert max(per_stage) / min(per_stage) <= 1.25, per_stage
 
@@ -99,8 +100,9 @@ def test_chained_stages_equal_the_unsplit_model():
     torch.testing.assert_close(scale[0], expected.logit_scale)
     assert torch.equal(rows, torch.arange(8))
     sizes = [s.prob_sums.shape[0] for s in expected.router_stats]
-    for got_counts, got_probs, want in zip(counts.sum(0).split(sizes), probs.sum(0).split(sizes),
-                                           expected.router_stats, strict=True):
+    for got_counts, got_probs, want in zip(
+        counts.sum(0).split(sizes), probs.sum(0).split(sizes), expected.router_stats, strict=True
+    ):
         torch.testing.assert_close(got_probs, want.prob_sums)
         torch.testing.assert_close(got_counts.float(), want.expert_counts)
 
@@ -140,8 +142,9 @@ def test_sequential_cut_runs_each_unit_once_and_keeps_fqns():
     x = torch.randn(3, 4)
     expected = owner.net(x)
     names = set(owner.state_dict())
-    spec = sequential_pipeline_spec(owner, ["net.blocks.2"], lambda out, target: out.mean(), 1, lambda b: (b,),
-                                    lambda b: None)
+    spec = sequential_pipeline_spec(
+        owner, ["net.blocks.2"], lambda out, target: out.mean(), 1, lambda b: (b,), lambda b: None
+    )
     assert spec.units == ["net.embed", "net.blocks.0", "net.blocks.1", "net.blocks.2", "net.blocks.3", "net.head"]
     split = explicit_split(spec.units, ["net.blocks.2"], 2)
     first, second = copy.deepcopy(owner), copy.deepcopy(owner)

@@ -33,8 +33,14 @@ def length_samples(seed: int, count: int = 300, max_patches: int = 64, max_token
     for i in range(count):
         patches = 0 if rng.random() < 0.125 else rng.randint(1, max_patches)
         tokens = rng.randint(2, max_tokens)
-        samples.append(PatchedSample(i, torch.empty(patches, 0), torch.empty(patches, 2, dtype=torch.long),
-                                     torch.empty(tokens, dtype=torch.long)))
+        samples.append(
+            PatchedSample(
+                i,
+                torch.empty(patches, 0),
+                torch.empty(patches, 2, dtype=torch.long),
+                torch.empty(tokens, dtype=torch.long),
+            )
+        )
     return samples
 
 
@@ -46,12 +52,14 @@ def tensor_samples(seed: int, count: int, patch_dim: int = 12, max_patches: int 
     for i in range(count):
         patches = 0 if i % 5 == 4 else rng.randint(1, max_patches)
         tokens = rng.randint(2, max_tokens)
-        samples.append(PatchedSample(
-            sample_id=1000 + i,
-            patches=torch.rand(patches, patch_dim, generator=gen),
-            patch_pos=torch.randint(0, 8, (patches, 2), generator=gen),
-            tokens=torch.randint(5, 10_000, (tokens,), generator=gen),
-        ))
+        samples.append(
+            PatchedSample(
+                sample_id=1000 + i,
+                patches=torch.rand(patches, patch_dim, generator=gen),
+                patch_pos=torch.randint(0, 8, (patches, 2), generator=gen),
+                tokens=torch.randint(5, 10_000, (tokens,), generator=gen),
+            )
+        )
     return samples
 
 
@@ -67,8 +75,14 @@ def coyo_like_samples(seed: int, count: int) -> list[PatchedSample]:
     for i in range(count):
         patches = min(64, max(1, round(rng.lognormvariate(math.log(280), sigma_v) * 64 / 1247)))
         tokens = min(64, max(3, round(rng.lognormvariate(math.log(17.24) - 0.18, 0.6))) + 2)
-        samples.append(PatchedSample(i, torch.empty(patches, 0), torch.empty(patches, 2, dtype=torch.long),
-                                     torch.empty(tokens, dtype=torch.long)))
+        samples.append(
+            PatchedSample(
+                i,
+                torch.empty(patches, 0),
+                torch.empty(patches, 2, dtype=torch.long),
+                torch.empty(tokens, dtype=torch.long),
+            )
+        )
     return samples
 
 
@@ -117,14 +131,16 @@ def test_pack_arguments_are_checked_at_call_time(kwargs, name):
 
 def test_oversized_sample_names_sample_and_budget():
     big_image = length_samples(0, count=3)
-    big_image[1] = PatchedSample(77, torch.empty(65, 0), torch.empty(65, 2, dtype=torch.long),
-                                 torch.empty(4, dtype=torch.long))
+    big_image[1] = PatchedSample(
+        77, torch.empty(65, 0), torch.empty(65, 2, dtype=torch.long), torch.empty(4, dtype=torch.long)
+    )
     with pytest.raises(ValueError, match=r"sample 77 .*max_patches_per_batch=64"):
         list(bucket_batches(iter(big_image), 64, 1000, 8, random.Random(0)))
     with pytest.raises(ValueError, match=r"sample 77 .*max_patches_per_row=64"):
         list(pack_rows(iter(big_image), 64, 1000, 1, 8, random.Random(0)))
-    long_caption = [PatchedSample(5, torch.empty(1, 0), torch.empty(1, 2, dtype=torch.long),
-                                  torch.empty(49, dtype=torch.long))]
+    long_caption = [
+        PatchedSample(5, torch.empty(1, 0), torch.empty(1, 2, dtype=torch.long), torch.empty(49, dtype=torch.long))
+    ]
     with pytest.raises(ValueError, match=r"sample 5 .*max_tokens_per_batch=48"):
         list(bucket_batches(iter(long_caption), 64, 48, 8, random.Random(0)))
     with pytest.raises(ValueError, match=r"sample 5 .*max_tokens_per_row=48"):
@@ -171,8 +187,19 @@ def test_pack_rows_respect_row_budgets_and_account_for_every_sample(seed, fit):
     rows_per_batch, buffer_size = rng.randint(1, 4), rng.randint(1, 150)
     for partial in (False, True):
         stats = RegroupStats()
-        batches = list(pack_rows(iter(samples), max_patches, max_tokens, rows_per_batch, buffer_size,
-                                 random.Random(seed), partial=partial, stats=stats, fit=fit))
+        batches = list(
+            pack_rows(
+                iter(samples),
+                max_patches,
+                max_tokens,
+                rows_per_batch,
+                buffer_size,
+                random.Random(seed),
+                partial=partial,
+                stats=stats,
+                fit=fit,
+            )
+        )
         for index, batch in enumerate(batches):
             is_last_partial = partial and index == len(batches) - 1
             assert len(batch) == rows_per_batch or (is_last_partial and 0 < len(batch) < rows_per_batch)
@@ -221,8 +248,15 @@ def test_packing_padding_is_low_on_coyo_like_lengths(seed):
         for batch in pack_rows(iter(samples), 256, 240, 8, 1000, random.Random(seed), stats=stats, fit=fit):
             real_p = sum(s.num_patches for row in batch for s in row)
             real_t = sum(s.num_tokens for row in batch for s in row)
-            stats.add({"samples": sum(map(len, batch)), "real_patches": real_p, "padded_patches": 8 * 256 - real_p,
-                       "real_tokens": real_t, "padded_tokens": 8 * 240 - real_t})
+            stats.add(
+                {
+                    "samples": sum(map(len, batch)),
+                    "real_patches": real_p,
+                    "padded_patches": 8 * 256 - real_p,
+                    "real_tokens": real_t,
+                    "padded_tokens": 8 * 240 - real_t,
+                }
+            )
         padding[fit] = stats.padding_fraction
         assert stats.samples + stats.samples_dropped == len(samples)
     assert padding["balanced"] < 0.06, padding
@@ -239,8 +273,10 @@ def test_single_binding_budget_packs_as_tightly_as_first_fit_decreasing(seed):
     # Token budget out of reach: 1-D packing on patches, where first-fit decreasing is the reference.
     # Tiny images with long captions (the samples that lean on tokens) are mixed in on purpose.
     samples = coyo_like_samples(seed, 1000) + [
-        PatchedSample(5000 + i, torch.empty(1, 0), torch.empty(1, 2, dtype=torch.long),
-                      torch.empty(64, dtype=torch.long)) for i in range(30)
+        PatchedSample(
+            5000 + i, torch.empty(1, 0), torch.empty(1, 2, dtype=torch.long), torch.empty(64, dtype=torch.long)
+        )
+        for i in range(30)
     ]
     random.Random(seed).shuffle(samples)
     rows = {}
@@ -259,12 +295,14 @@ def test_collate_packed_keeps_pairs_aligned_and_labels_inside_captions(seed):
     samples = tensor_samples(seed, 40)
     by_id = {s.sample_id: s for s in samples}
     max_patches, max_tokens, rows_per_batch, segments = 48, 40, 3, 12
-    batches = list(pack_rows(iter(samples), max_patches, max_tokens, rows_per_batch, 20, random.Random(seed),
-                             partial=True))
+    batches = list(
+        pack_rows(iter(samples), max_patches, max_tokens, rows_per_batch, 20, random.Random(seed), partial=True)
+    )
     seen = []
     for rows in batches:
-        batch = collate_packed(rows, max_patches, max_tokens, pad_id=1, max_segments_per_row=segments,
-                               rows_per_batch=rows_per_batch)
+        batch = collate_packed(
+            rows, max_patches, max_tokens, pad_id=1, max_segments_per_row=segments, rows_per_batch=rows_per_batch
+        )
         batch.validate()
         # Constant shapes whatever the content (a short last batch gets empty rows).
         assert batch.patches.shape == (rows_per_batch, max_patches, 12)
@@ -311,8 +349,13 @@ def test_batch_padding_and_stats():
     batch = collate_packed(rows, 48, 40, pad_id=0)
     padding = batch_padding(batch)
     real_p, real_t = sum(s.num_patches for s in samples), sum(s.num_tokens for s in samples)
-    assert padding == {"samples": 6, "real_patches": real_p, "padded_patches": 2 * 48 - real_p,
-                       "real_tokens": real_t, "padded_tokens": 2 * 40 - real_t}
+    assert padding == {
+        "samples": 6,
+        "real_patches": real_p,
+        "padded_patches": 2 * 48 - real_p,
+        "real_tokens": real_t,
+        "padded_tokens": 2 * 40 - real_t,
+    }
     stats = RegroupStats()
     stats.add(padding)
     stats.add(batch_padding(collate_one_per_row(samples, pad_id=0)))
@@ -346,7 +389,9 @@ def test_packed_batch_gives_the_same_loss_as_one_sample_per_row():
     assert packed_losses.caption_tokens == reference.caption_tokens
     assert packed_losses.image_text_pairs == reference.image_text_pairs > 0
     for name in ("total", "caption", "contrastive", "moe_aux"):
-        torch.testing.assert_close(getattr(packed_losses, name), getattr(reference, name), rtol=1e-5, atol=1e-6,
-                                   msg=name)
+        torch.testing.assert_close(
+            getattr(packed_losses, name), getattr(reference, name), rtol=1e-5, atol=1e-6, msg=name
+        )
     assert Counter(packed.sample_ids[packed.sample_ids >= 0].tolist()) == Counter(
-        one_per_row.sample_ids.flatten().tolist())
+        one_per_row.sample_ids.flatten().tolist()
+    )

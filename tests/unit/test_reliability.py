@@ -31,8 +31,14 @@ from tests.helpers import free_port, random_samples
 
 
 def _fp(norm: float, total: float, numel: int = 4, replica=(), shape=(4,)) -> dict:
-    return {"norm": norm, "sum": total, "numel": numel, "shape": list(shape), "dtype": "torch.float32",
-            "replica": list(replica)}
+    return {
+        "norm": norm,
+        "sum": total,
+        "numel": numel,
+        "shape": list(shape),
+        "dtype": "torch.float32",
+        "replica": list(replica),
+    }
 
 
 def test_fingerprint_error_scales_and_non_finite_values():
@@ -70,8 +76,15 @@ def test_two_replicas_name_the_higher_rank_and_a_missing_gradient_is_a_mismatch(
 
 
 def test_layout_comparison_names_parameter_field_and_rank():
-    layout = {"w": {"shape": [4, 2], "dtype": "torch.float32", "requires_grad": True, "local_shape": [2, 2],
-                    "replica": [["dp_shard", 0]]}}
+    layout = {
+        "w": {
+            "shape": [4, 2],
+            "dtype": "torch.float32",
+            "requires_grad": True,
+            "local_shape": [2, 2],
+            "replica": [["dp_shard", 0]],
+        }
+    }
     other_shard = json.loads(json.dumps(layout))
     other_shard["w"]["replica"] = [["dp_shard", 1]]
     assert compare_layouts([layout, other_shard]) == []
@@ -85,8 +98,10 @@ def test_layout_comparison_names_parameter_field_and_rank():
     # pipeline-like: ranks {0, 1} hold stage 0, ranks {2, 3} stage 1; names are compared within each replica group
     stage1 = {"v": layout["w"]}
     assert compare_layouts([layout, layout, stage1, stage1], replica_groups=[[0, 1], [2, 3]]) == []
-    assert "rank 3 has different parameters than rank 2" in compare_layouts(
-        [layout, layout, stage1, layout], replica_groups=[[0, 1], [2, 3]])[0]
+    assert (
+        "rank 3 has different parameters than rank 2"
+        in compare_layouts([layout, layout, stage1, layout], replica_groups=[[0, 1], [2, 3]])[0]
+    )
 
 
 def test_table_goes_to_wandb_as_one_table_and_elsewhere_as_scalars(tmp_path, monkeypatch):
@@ -99,8 +114,9 @@ def test_table_goes_to_wandb_as_one_table_and_elsewhere_as_scalars(tmp_path, mon
     module = type("M", (), {"log": lambda self, name, value, **kw: scalars.__setitem__(name, value)})()
     rows = [[0, 1.5, 0.0, True], [1, 2.0, 0.25, False]]
     _log_rows(FakeTrainer(), module, "grad_consistency", ["rank", "grad_norm", "rel_error", "ok"], rows)
-    assert tables == [{"key": "grad_consistency/table", "columns": ["rank", "grad_norm", "rel_error", "ok"],
-                       "data": rows, "step": 3}]
+    assert tables == [
+        {"key": "grad_consistency/table", "columns": ["rank", "grad_norm", "rel_error", "ok"], "data": rows, "step": 3}
+    ]
     assert scalars == {}
     FakeTrainer.logger = None
     _log_rows(FakeTrainer(), module, "grad_consistency", ["rank", "grad_norm", "rel_error", "ok"], rows)
@@ -139,9 +155,17 @@ def test_guard_in_one_process_skips_and_keeps_state(tmp_path):
     weights = []
     recorder = L.Callback()
     recorder.on_train_batch_end = lambda trainer, module, *args: weights.append(module.layer.weight.detach().clone())
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=7, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[guard, recorder],
-                        default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=7,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[guard, recorder],
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(_Regression(), torch.utils.data.DataLoader(_regression_batches(), batch_size=None))
     unchanged = [step for step in range(1, 7) if torch.equal(weights[step], weights[step - 1])]
     assert unchanged == [2, 4]
@@ -161,8 +185,16 @@ def test_guard_stops_after_consecutive_skips(tmp_path):
     for x, _ in batches[1:]:
         x[0, 0] = float("inf")
     guard = BadBatchGuard(max_consecutive_skips=3, skip_log=str(tmp_path / "skips.jsonl"))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=7, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[guard])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=7,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[guard],
+    )
     with pytest.raises(RuntimeError, match="3 optimizer steps in a row were skipped .*skips.jsonl"):
         trainer.fit(_Regression(), torch.utils.data.DataLoader(batches, batch_size=None))
     assert trainer.global_step == 3  # steps 1 and 2 skipped, the third skip (step 3) raised
@@ -171,18 +203,21 @@ def test_guard_stops_after_consecutive_skips(tmp_path):
 # ------------------------------------------------------------------------------------ argument errors
 
 
-@pytest.mark.parametrize("factory, argument", [
-    (lambda: GradientConsistencyCheck(every_n_steps=0), "every_n_steps"),
-    (lambda: GradientConsistencyCheck(rtol=-1.0), "rtol"),
-    (lambda: GradientConsistencyCheck(on_mismatch="ignore"), "on_mismatch"),
-    (lambda: BadBatchGuard(spike_factor=1.0), "spike_factor"),
-    (lambda: BadBatchGuard(spike_window=0), "spike_window"),
-    (lambda: BadBatchGuard(spike_window=4, min_history=5), "min_history"),
-    (lambda: BadBatchGuard(max_consecutive_skips=0), "max_consecutive_skips"),
-    (lambda: RankWatchdog(heartbeat_interval=0), "heartbeat_interval"),
-    (lambda: RankWatchdog(heartbeat_interval=1.0, peer_timeout=2.0), "peer_timeout"),
-    (lambda: RankWatchdog(grace=-1), "grace"),
-])
+@pytest.mark.parametrize(
+    "factory, argument",
+    [
+        (lambda: GradientConsistencyCheck(every_n_steps=0), "every_n_steps"),
+        (lambda: GradientConsistencyCheck(rtol=-1.0), "rtol"),
+        (lambda: GradientConsistencyCheck(on_mismatch="ignore"), "on_mismatch"),
+        (lambda: BadBatchGuard(spike_factor=1.0), "spike_factor"),
+        (lambda: BadBatchGuard(spike_window=0), "spike_window"),
+        (lambda: BadBatchGuard(spike_window=4, min_history=5), "min_history"),
+        (lambda: BadBatchGuard(max_consecutive_skips=0), "max_consecutive_skips"),
+        (lambda: RankWatchdog(heartbeat_interval=0), "heartbeat_interval"),
+        (lambda: RankWatchdog(heartbeat_interval=1.0, peer_timeout=2.0), "peer_timeout"),
+        (lambda: RankWatchdog(grace=-1), "grace"),
+    ],
+)
 def test_arguments_are_validated_by_name(factory, argument):
     with pytest.raises(ValueError, match=argument):
         factory()
@@ -206,8 +241,17 @@ def test_process_lookup_sees_exited_and_zombie_processes_as_gone():
 
 # ------------------------------------------------------------------------------------ missing images, one process
 
-VISION_ONLY = ("vision.", "projector.", "image_proj.", ".cross_attn_norm.", ".media_norm.", ".cross_attn.",
-               ".cross_attn_gate", ".media_ffn_norm.", ".experts.router_vision.")
+VISION_ONLY = (
+    "vision.",
+    "projector.",
+    "image_proj.",
+    ".cross_attn_norm.",
+    ".media_norm.",
+    ".cross_attn.",
+    ".cross_attn_gate",
+    ".media_ffn_norm.",
+    ".experts.router_vision.",
+)
 
 
 def _mixed_packed_batch():
@@ -244,8 +288,9 @@ def test_image_less_samples_take_nothing_from_the_vision_path():
     other_pixels = batch.patches.clone().normal_()
     with torch.no_grad():
         changed = model(type(batch)(**{**batch.__dict__, "patches": other_pixels}))
-    torch.testing.assert_close(changed.logits[token_without_image], output.logits.detach()[token_without_image],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        changed.logits[token_without_image], output.logits.detach()[token_without_image], rtol=0, atol=0
+    )
 
 
 def test_batch_without_any_image_is_finite_and_leaves_vision_at_zero():

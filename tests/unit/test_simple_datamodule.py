@@ -89,8 +89,10 @@ def test_bad_arguments_name_the_argument(tiny_dir, tmp_path):
 
 def test_explicit_urls_and_tokenizer(tiny_dir):
     dm = SimpleImageTextDataModule(
-        train_urls=str(tiny_dir / "train-{000000..000003}.tar"), val_urls=str(tiny_dir / "val-000000.tar"),
-        tokenizer=str(tiny_dir / "tokenizer.json"), batch_size=16,
+        train_urls=str(tiny_dir / "train-{000000..000003}.tar"),
+        val_urls=str(tiny_dir / "val-000000.tar"),
+        tokenizer=str(tiny_dir / "tokenizer.json"),
+        batch_size=16,
     )
     batch = next(iter(_rank_loader(dm, 0, 1)))
     assert batch.tokens.max() < dm.vocab_size

@@ -76,14 +76,23 @@ def _byte_bpe_tokenizer(texts):
     from tokenizers import decoders
 
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[BOS]", "[EOS]"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["[PAD]", "[UNK]", "[BOS]", "[EOS]"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     return tok
 
 
-CAPTIONS = ["a large red circle at the top left.", "two small blue squares on a striped gray background.",
-            "green star.", "a purple triangle in the center and an orange cross at the bottom right."] * 5
+CAPTIONS = [
+    "a large red circle at the top left.",
+    "two small blue squares on a striped gray background.",
+    "green star.",
+    "a purple triangle in the center and an orange cross at the bottom right.",
+] * 5
 
 
 def test_tokenizer_round_trip_and_framing(tmp_path):

@@ -40,8 +40,14 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
 
 def test_degrees_that_do_not_divide_the_world_fail_before_any_process_group():
     loader = torch.utils.data.DataLoader(shard_batches(random_samples(4), 4, 0, 1), batch_size=None)
-    trainer = L.Trainer(strategy=HybridParallelStrategy(tensor_parallel=2), accelerator="cpu", devices=1,
-                        logger=False, enable_checkpointing=False, max_steps=1)
+    trainer = L.Trainer(
+        strategy=HybridParallelStrategy(tensor_parallel=2),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        max_steps=1,
+    )
     with pytest.raises(ValueError, match=r"world size 1 to be divisible by .*tensor_parallel"):
         trainer.fit(VLMModule(preset="tiny"), loader)
     assert not torch.distributed.is_initialized()
@@ -65,16 +71,32 @@ def _failing_fits(rank: int, world: int) -> dict[str, str]:
     cases = {
         "precision": (lambda: VLMModule(preset="tiny"), HybridParallelStrategy(), "16-true", vlm_batches),
         "no_plan": (_PlainUserModule, HybridParallelStrategy(tensor_parallel=2), "32-true", user_batches),
-        "pattern": (_PlainUserModule, HybridParallelStrategy(tensor_parallel=2, tp_plan={"net.9": "colwise"}),
-                    "32-true", user_batches),
-        "heads": (lambda: VLMModule(preset="tiny", model_overrides={"text_heads": 1}),
-                  HybridParallelStrategy(tensor_parallel=2), "32-true", vlm_batches),
+        "pattern": (
+            _PlainUserModule,
+            HybridParallelStrategy(tensor_parallel=2, tp_plan={"net.9": "colwise"}),
+            "32-true",
+            user_batches,
+        ),
+        "heads": (
+            lambda: VLMModule(preset="tiny", model_overrides={"text_heads": 1}),
+            HybridParallelStrategy(tensor_parallel=2),
+            "32-true",
+            vlm_batches,
+        ),
     }
     messages = {}
     for name, (make_module, strategy, precision, loader) in cases.items():
-        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, precision=precision, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            max_steps=1)
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=world,
+            precision=precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            max_steps=1,
+        )
         try:
             trainer.fit(make_module(), loader)
             messages[name] = "no error"

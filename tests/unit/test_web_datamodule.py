@@ -39,14 +39,29 @@ def shards(tmp_path_factory):
         start += count
     _write_shard(root / "val-000000.tar", 1000, 12)
     tokenizer = ensure_synthetic_shards("tiny") / "tokenizer.json"
-    return SimpleNamespace(train=str(root / "train-{000000..000004}.tar"), val=str(root / "val-000000.tar"),
-                           tokenizer=str(tokenizer), root=root)
+    return SimpleNamespace(
+        train=str(root / "train-{000000..000004}.tar"),
+        val=str(root / "val-000000.tar"),
+        tokenizer=str(tokenizer),
+        root=root,
+    )
 
 
 def _dm(shards, **kwargs) -> ImageTextWebDataModule:
-    args = dict(train_urls=shards.train, val_urls=shards.val, tokenizer=shards.tokenizer, patch_size=16,
-                max_patches_per_image=16, max_text_tokens=48, max_patches_per_batch=128, max_tokens_per_batch=384,
-                rows_per_batch=4, batch_size=5, buffer_size=32, seed=1)
+    args = dict(
+        train_urls=shards.train,
+        val_urls=shards.val,
+        tokenizer=shards.tokenizer,
+        patch_size=16,
+        max_patches_per_image=16,
+        max_text_tokens=48,
+        max_patches_per_batch=128,
+        max_tokens_per_batch=384,
+        rows_per_batch=4,
+        batch_size=5,
+        buffer_size=32,
+        seed=1,
+    )
     args.update(kwargs)
     return ImageTextWebDataModule(**args)
 
@@ -54,8 +69,13 @@ def _dm(shards, **kwargs) -> ImageTextWebDataModule:
 def _batches(dm: ImageTextWebDataModule, dp_rank: int, dp_size: int, epoch: int = 0, global_rank: int | None = None):
     # What a mesh-aware strategy reports; global_rank differs between model-parallel peers.
     strategy = SimpleNamespace(data_parallel_rank=dp_rank, data_parallel_size=dp_size)
-    dm.trainer = SimpleNamespace(strategy=strategy, global_rank=global_rank if global_rank is not None else dp_rank,
-                                 world_size=dp_size, current_epoch=epoch, training=False)
+    dm.trainer = SimpleNamespace(
+        strategy=strategy,
+        global_rank=global_rank if global_rank is not None else dp_rank,
+        world_size=dp_size,
+        current_epoch=epoch,
+        training=False,
+    )
     return list(dm.train_dataloader())
 
 
@@ -150,11 +170,23 @@ def _fit(shards, tmp_path, max_steps, ckpt_path=None, workers=0, save_every=None
     recorder = _SampleRecorder()
     callbacks = [recorder]
     if save_every:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=save_every,
-                                                             save_top_k=-1, filename="{step}"))
-    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        enable_checkpointing=bool(save_every), callbacks=callbacks, default_root_dir=tmp_path)
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=tmp_path, every_n_train_steps=save_every, save_top_k=-1, filename="{step}"
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=bool(save_every),
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+    )
     dm = _dm(shards, regroup="pack", num_workers=workers)
     model = VLMModule(preset="tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=16)
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)

@@ -36,8 +36,9 @@ class VLMLosses:
 
 def caption_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy summed over the label tokens: ``logits (R, T, V)``, ``labels (R, T)`` (-100: none)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def contrastive_loss_sum(

@@ -82,9 +82,21 @@ class VLMConfig:
     norm_eps: float = 1e-5
 
     def validate(self) -> None:
-        for name in ("vocab_size", "patch_size", "max_patches_per_image", "vision_width", "vision_layers",
-                     "vision_heads", "text_width", "text_heads", "fusion_layers", "vision_experts",
-                     "text_experts", "expert_hidden", "embed_dim"):
+        for name in (
+            "vocab_size",
+            "patch_size",
+            "max_patches_per_image",
+            "vision_width",
+            "vision_layers",
+            "vision_heads",
+            "text_width",
+            "text_heads",
+            "fusion_layers",
+            "vision_experts",
+            "text_experts",
+            "expert_hidden",
+            "embed_dim",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"VLMConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.unimodal_layers < 1:
@@ -94,8 +106,9 @@ class VLMConfig:
             )
         for width, heads in (("vision_width", "vision_heads"), ("text_width", "text_heads")):
             if getattr(self, width) % getattr(self, heads):
-                raise ValueError(f"VLMConfig.{width}={getattr(self, width)} must be divisible by "
-                                 f"{heads}={getattr(self, heads)}")
+                raise ValueError(
+                    f"VLMConfig.{width}={getattr(self, width)} must be divisible by {heads}={getattr(self, heads)}"
+                )
         if (self.text_width // self.text_heads) % 2:
             raise ValueError("VLMConfig: text head dim (text_width / text_heads) must be even for rotary embeddings")
 
@@ -105,14 +118,35 @@ PRESETS: dict[str, VLMConfig] = {
     "tiny": VLMConfig(),
     # ~10M parameters: the CPU demo of `lightning-mm fit`.
     "small": VLMConfig(
-        vocab_size=1024, vision_width=192, vision_layers=4, vision_heads=3, text_width=256, text_heads=4,
-        unimodal_layers=2, fusion_layers=2, vision_experts=2, text_experts=2, expert_hidden=512, embed_dim=128,
+        vocab_size=1024,
+        vision_width=192,
+        vision_layers=4,
+        vision_heads=3,
+        text_width=256,
+        text_heads=4,
+        unimodal_layers=2,
+        fusion_layers=2,
+        vision_experts=2,
+        text_experts=2,
+        expert_hidden=512,
+        embed_dim=128,
     ),
     # ~1.1B parameters: a GPU configuration (bf16, sharded).
     "1b": VLMConfig(
-        vocab_size=32000, patch_size=14, max_patches_per_image=1024, vision_width=1024, vision_layers=16,
-        vision_heads=16, text_width=2048, text_heads=16, unimodal_layers=6, fusion_layers=6,
-        vision_experts=2, text_experts=2, expert_hidden=3072, embed_dim=768,
+        vocab_size=32000,
+        patch_size=14,
+        max_patches_per_image=1024,
+        vision_width=1024,
+        vision_layers=16,
+        vision_heads=16,
+        text_width=2048,
+        text_heads=16,
+        unimodal_layers=6,
+        fusion_layers=6,
+        vision_experts=2,
+        text_experts=2,
+        expert_hidden=3072,
+        embed_dim=768,
     ),
 }
 
@@ -296,8 +330,9 @@ class ModalityExperts(nn.Module):
         counts = torch.bincount(choice, minlength=probs.shape[-1]).to(probs.dtype)
         return out, RouterStats(expert_counts=counts, prob_sums=probs.sum(dim=0))
 
-    def _run_local(self, tokens: torch.Tensor, choice: torch.Tensor, gate: torch.Tensor, offset: int,
-                   modality: str) -> torch.Tensor:
+    def _run_local(
+        self, tokens: torch.Tensor, choice: torch.Tensor, gate: torch.Tensor, offset: int, modality: str
+    ) -> torch.Tensor:
         routed = torch.zeros_like(tokens)
         for local in range(self.group_sizes[modality]):
             # Every expert runs, on zero tokens if none were routed to it, so all parameters stay in the

@@ -116,17 +116,33 @@ class VLMModule(L.LightningModule):
         }
         for name, value in values.items():
             self.log(
-                name, value.detach(), prog_bar=name.endswith("/loss"), on_step=on_step, on_epoch=not on_step,
-                batch_size=batch_size, sync_dist=True,
+                name,
+                value.detach(),
+                prog_bar=name.endswith("/loss"),
+                on_step=on_step,
+                on_epoch=not on_step,
+                batch_size=batch_size,
+                sync_dist=True,
             )
 
-    def parallel_plan(self, *, sequence_parallel: bool = False, microbatches: int = 1,
-                      pipeline_shape: tuple[int, int, int, int] | None = None) -> ParallelPlan:
+    def parallel_plan(
+        self,
+        *,
+        sequence_parallel: bool = False,
+        microbatches: int = 1,
+        pipeline_shape: tuple[int, int, int, int] | None = None,
+    ) -> ParallelPlan:
         """How this module is parallelized (:mod:`lightning_mm.parallel.protocol`): the reference model's TP / SP
         plan, blocks, experts and pipeline, with this module's loss weights in the pipeline objective."""
-        return vlm_parallel_plan(self, "model", sequence_parallel=sequence_parallel, microbatches=microbatches,
-                                 pipeline_shape=pipeline_shape, contrastive_weight=self.hparams.contrastive_weight,
-                                 moe_aux_weight=self.hparams.moe_aux_weight)
+        return vlm_parallel_plan(
+            self,
+            "model",
+            sequence_parallel=sequence_parallel,
+            microbatches=microbatches,
+            pipeline_shape=pipeline_shape,
+            contrastive_weight=self.hparams.contrastive_weight,
+            moe_aux_weight=self.hparams.moe_aux_weight,
+        )
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -140,8 +156,13 @@ class VLMModule(L.LightningModule):
         if self._last_step_end is not None:
             # Wall time between consecutive steps (data loading included), samples of all data-parallel ranks.
             samples = batch.num_samples * group_size(self.data_parallel_group())
-            self.log("samples_per_sec", samples / max(now - self._last_step_end, 1e-9), prog_bar=True,
-                     on_step=True, batch_size=max(batch.num_samples, 1))
+            self.log(
+                "samples_per_sec",
+                samples / max(now - self._last_step_end, 1e-9),
+                prog_bar=True,
+                on_step=True,
+                batch_size=max(batch.num_samples, 1),
+            )
         self._last_step_end = now
         return losses.total
 
@@ -182,8 +203,7 @@ class VLMModule(L.LightningModule):
             is_matrix = param.ndim >= 2 and "embed" not in name
             (decay if is_matrix else no_decay).append(param)
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.learning_rate,
             betas=(0.9, 0.95),
         )

@@ -145,9 +145,11 @@ def _expert_parallel(model: nn.Module):
         config = model.config
         experts = config.vision_experts + config.text_experts
         if experts % ep_mesh.size():
-            raise ValueError(f"expert_parallel={ep_mesh.size()} must divide the number of experts of the model "
-                             f"(vision_experts + text_experts = {config.vision_experts} + {config.text_experts} = "
-                             f"{experts})")
+            raise ValueError(
+                f"expert_parallel={ep_mesh.size()} must divide the number of experts of the model "
+                f"(vision_experts + text_experts = {config.vision_experts} + {config.text_experts} = "
+                f"{experts})"
+            )
         return apply_expert_parallel(model, ep_mesh, placement)
 
     return apply

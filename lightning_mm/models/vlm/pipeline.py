@@ -94,8 +94,9 @@ VISION_UNIT = "vision"
 
 def decoder_units(config: VLMConfig) -> list[str]:
     """Decoder layer names in forward order: ``unimodal_layers.0 .. fusion_layers.F-1``."""
-    return ([f"unimodal_layers.{i}" for i in range(config.unimodal_layers)]
-            + [f"fusion_layers.{i}" for i in range(config.fusion_layers)])
+    return [f"unimodal_layers.{i}" for i in range(config.unimodal_layers)] + [
+        f"fusion_layers.{i}" for i in range(config.fusion_layers)
+    ]
 
 
 def model_units(config: VLMConfig) -> list[str]:
@@ -122,10 +123,12 @@ def unit_costs(config: VLMConfig, rows: int, patches: int, tokens: int) -> dict[
     for i in range(config.unimodal_layers):
         costs[f"unimodal_layers.{i}"] = float(block(t, dt))
     costs[f"unimodal_layers.{config.unimodal_layers - 1}"] += 2 * r * dt * config.embed_dim  # text_proj
-    fusion = (2 * r * (4 * t * dt * dt + 2 * t * t * dt)  # causal self-attention
-              # cross-attention: q, o on text; k, v on media; scores and values text x media
-              + 2 * r * (2 * t * dt * dt + 2 * n * dt * dt + 2 * t * n * dt)
-              + 2 * r * 2 * (t + n) * dt * config.expert_hidden)  # top-1 experts on text and media tokens
+    fusion = (
+        2 * r * (4 * t * dt * dt + 2 * t * t * dt)  # causal self-attention
+        # cross-attention: q, o on text; k, v on media; scores and values text x media
+        + 2 * r * (2 * t * dt * dt + 2 * n * dt * dt + 2 * t * n * dt)
+        + 2 * r * 2 * (t + n) * dt * config.expert_hidden
+    )  # top-1 experts on text and media tokens
     for i in range(config.fusion_layers):
         costs[f"fusion_layers.{i}"] = float(fusion)
     costs[decoder_units(config)[-1]] += 2 * r * t * dt * config.vocab_size  # LM head
@@ -142,13 +145,17 @@ def prune_model(model: nn.Module, split: PipelineSplit, stages: Sequence[int]) -
     units = {u for s in stages for u in split.stage_units(s)}
     for attr in ("unimodal_layers", "fusion_layers"):
         layers = getattr(model, attr)
-        setattr(model, attr, nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)
-                                            if f"{attr}.{i}" in units}))
-    owned = {VISION_UNIT: VISION_UNIT in units,
-             "text_embed": split.owner(f"unimodal_layers.{config.unimodal_layers - 1}") in stages,
-             "head": split.num_stages - 1 in stages}
-    removals = {VISION_UNIT: ("vision", "projector", "image_proj", "embed_tokens"),
-                "text_embed": ("text_pool_norm", "text_proj"), "head": ("norm", "lm_head", "logit_scale")}
+        setattr(model, attr, nn.ModuleDict({str(i): layer for i, layer in enumerate(layers) if f"{attr}.{i}" in units}))
+    owned = {
+        VISION_UNIT: VISION_UNIT in units,
+        "text_embed": split.owner(f"unimodal_layers.{config.unimodal_layers - 1}") in stages,
+        "head": split.num_stages - 1 in stages,
+    }
+    removals = {
+        VISION_UNIT: ("vision", "projector", "image_proj", "embed_tokens"),
+        "text_embed": ("text_pool_norm", "text_proj"),
+        "head": ("norm", "lm_head", "logit_scale"),
+    }
     for key, names in removals.items():
         if not owned[key]:
             for name in names:
@@ -222,8 +229,11 @@ class VLMStage(nn.Module):
             text, media, image_embeds, text_embeds, patch_segment, token_segment, pairs, counts, probs, rows = args
             slots = pairs.shape[1]
         text_mask = segment_self_mask(token_segment, causal=True)
-        rotary = rotary_tables(positions_in_segment(text_mask & (token_segment[:, None, :] >= 0)),
-                               config.text_width // config.text_heads, config.rope_theta)
+        rotary = rotary_tables(
+            positions_in_segment(text_mask & (token_segment[:, None, :] >= 0)),
+            config.text_width // config.text_heads,
+            config.rope_theta,
+        )
         for i in self.unimodal_ids:
             text = self.unimodal_layers[i](text, text_mask, rotary)
         if self.owns_text_embed:
@@ -234,7 +244,8 @@ class VLMStage(nn.Module):
             width = sum(self.group_sizes)
             for i in self.fusion_ids:
                 text, media, stats = self.fusion_layers[i](
-                    text, media, text_mask, rotary, media_mask, media_has_key, text_valid, media_valid)
+                    text, media, text_mask, rotary, media_mask, media_has_key, text_valid, media_valid
+                )
                 offset = int(i) * width
                 for part, stat in zip((0, self.group_sizes[0]), stats, strict=True):
                     # Stats are summed over the whole stage input; kept on row 0 so the (r, K) accumulator stays
@@ -274,18 +285,21 @@ def pad_batch(batch: MultimodalBatch, shape: Sequence[int], argument: str = "pip
     """
     rows, patches, tokens, slots = shape
     actual = (batch.num_rows, batch.patches.shape[1], batch.tokens.shape[1], batch.segment_slots)
-    for name, have, want in zip(("rows", "patches per row", "tokens per row", "segments per row"), actual, shape,
-                                strict=True):
+    for name, have, want in zip(
+        ("rows", "patches per row", "tokens per row", "segments per row"), actual, shape, strict=True
+    ):
         if have > want:
-            raise ValueError(f"a batch has {have} {name}, more than the fixed pipeline shape {tuple(shape)} "
-                             f"(rows, patches, tokens, segments) allows; pipelining needs fixed shapes, so raise "
-                             f"{argument} to cover the largest batch (e.g. from the DataModule's budgets)")
+            raise ValueError(
+                f"a batch has {have} {name}, more than the fixed pipeline shape {tuple(shape)} "
+                f"(rows, patches, tokens, segments) allows; pipelining needs fixed shapes, so raise "
+                f"{argument} to cover the largest batch (e.g. from the DataModule's budgets)"
+            )
     if actual == tuple(shape):
         return batch
 
     def pad(x: torch.Tensor, sizes: Sequence[int], value) -> torch.Tensor:
-        out = x.new_full(tuple(sizes) + tuple(x.shape[len(sizes):]), value)
-        out[tuple(slice(0, s) for s in x.shape[:len(sizes)])] = x
+        out = x.new_full(tuple(sizes) + tuple(x.shape[len(sizes) :]), value)
+        out[tuple(slice(0, s) for s in x.shape[: len(sizes)])] = x
         return out
 
     return MultimodalBatch(
@@ -313,9 +327,11 @@ class _FixedShape:
             self.shape = (batch.num_rows, batch.patches.shape[1], batch.tokens.shape[1], batch.segment_slots)
             argument = "pipeline_shape (taken from the first batch)"
         if self.shape[0] % self.microbatches:
-            raise ValueError(f"a batch of {self.shape[0]} rows does not split into microbatches={self.microbatches}; "
-                             "choose microbatches dividing the per-rank batch size or set pipeline_shape with a "
-                             "divisible row count")
+            raise ValueError(
+                f"a batch of {self.shape[0]} rows does not split into microbatches={self.microbatches}; "
+                "choose microbatches dividing the per-rank batch size or set pipeline_shape with a "
+                "divisible row count"
+            )
         return pad_batch(batch, self.shape, argument)
 
 
@@ -373,13 +389,20 @@ class VLMPipelineObjective(PipelineObjective):
 
     def prepare(self, group: dist.ProcessGroup | None, train: bool) -> None:
         router_counts = all_reduce_sum(self._router_counts, group)
-        decisions = list(zip(router_counts.split(self.decision_sizes), self._prob_sums.split(self.decision_sizes),
-                             strict=True))
+        decisions = list(
+            zip(router_counts.split(self.decision_sizes), self._prob_sums.split(self.decision_sizes), strict=True)
+        )
         self._global_router_counts = [counts for counts, _ in decisions]
-        moe_aux = torch.stack([
-            load_balancing_terms(RouterStats(expert_counts=counts, prob_sums=prob_sums), counts, self.world)
-            for counts, prob_sums in decisions
-        ]).mean().float()
+        moe_aux = (
+            torch.stack(
+                [
+                    load_balancing_terms(RouterStats(expert_counts=counts, prob_sums=prob_sums), counts, self.world)
+                    for counts, prob_sums in decisions
+                ]
+            )
+            .mean()
+            .float()
+        )
         # The contrastive loss of the whole batch, on leaves: its value, and the gradients the training pass needs.
         image = self._image[self._pairs].requires_grad_(train)
         text = self._text[self._pairs].requires_grad_(train)
@@ -397,8 +420,12 @@ class VLMPipelineObjective(PipelineObjective):
         caption = torch.stack(self._caption_parts).sum()
         contrastive = contrastive.detach().float()
         total = caption + self.contrastive_weight * contrastive + self.moe_aux_weight * moe_aux
-        self._values = {"loss": total, "caption_loss": caption, "contrastive_loss": contrastive,
-                        "moe_aux_loss": moe_aux}
+        self._values = {
+            "loss": total,
+            "caption_loss": caption,
+            "contrastive_loss": contrastive,
+            "moe_aux_loss": moe_aux,
+        }
 
     def microbatch_loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         logits, image_embeds, text_embeds, scale, counts, probs, pairs, rows = output
@@ -408,15 +435,21 @@ class VLMPipelineObjective(PipelineObjective):
         grad_image, grad_text, grad_scale = self._grads
         # Its gradient is the whole-batch contrastive loss's gradient through this microbatch's embeddings; the
         # temperature's share is spread over the batch rows (every row carries the same scale).
-        contrastive = ((image_embeds.float() * grad_image[rows]).sum() + (text_embeds.float() * grad_text[rows]).sum()
-                       + scale.float().sum() * grad_scale / self.rows)
+        contrastive = (
+            (image_embeds.float() * grad_image[rows]).sum()
+            + (text_embeds.float() * grad_text[rows]).sum()
+            + scale.float().sum() * grad_scale / self.rows
+        )
         width_offsets = torch.tensor([0, *self.decision_sizes]).cumsum(0).tolist()
         probs = probs.sum(dim=0)
-        moe_aux = torch.stack([
-            load_balancing_terms(RouterStats(expert_counts=counts, prob_sums=probs[start:end]), counts, self.world)
-            for counts, start, end in zip(self._global_router_counts, width_offsets[:-1], width_offsets[1:],
-                                          strict=True)
-        ]).mean()
+        moe_aux = torch.stack(
+            [
+                load_balancing_terms(RouterStats(expert_counts=counts, prob_sums=probs[start:end]), counts, self.world)
+                for counts, start, end in zip(
+                    self._global_router_counts, width_offsets[:-1], width_offsets[1:], strict=True
+                )
+            ]
+        ).mean()
         return self._caption(logits, target) + self.contrastive_weight * contrastive + self.moe_aux_weight * moe_aux
 
     def values(self) -> dict[str, torch.Tensor]:
@@ -443,12 +476,18 @@ def vlm_pipeline_spec(
         return [VLMStage(model, local, stage) for stage in stage_ids]
 
     def costs() -> dict[str, float]:
-        rows, patches, tokens = (pipeline_shape[:3] if pipeline_shape is not None
-                                 else (8, config.max_patches_per_image, 64))
+        rows, patches, tokens = (
+            pipeline_shape[:3] if pipeline_shape is not None else (8, config.max_patches_per_image, 64)
+        )
         return {f"{prefix}.{name}": cost for name, cost in unit_costs(config, rows, patches, tokens).items()}
 
     return PipelineSpec(
-        units=units, build_stages=build_stages, inputs=stage_inputs, target=lambda batch: batch.labels,
-        objective=VLMPipelineObjective(config, contrastive_weight, moe_aux_weight), unit_costs=costs,
-        prepare_batch=_FixedShape(pipeline_shape, microbatches), num_rows=lambda batch: batch.num_rows,
+        units=units,
+        build_stages=build_stages,
+        inputs=stage_inputs,
+        target=lambda batch: batch.labels,
+        objective=VLMPipelineObjective(config, contrastive_weight, moe_aux_weight),
+        unit_costs=costs,
+        prepare_batch=_FixedShape(pipeline_shape, microbatches),
+        num_rows=lambda batch: batch.num_rows,
     )

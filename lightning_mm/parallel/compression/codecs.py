@@ -344,8 +344,7 @@ def encode(x: torch.Tensor, config: CodecConfig, raw_dtype: torch.dtype | None =
     if config.topk_ratio < 1.0 and _aligned(k * index_size) + _dense_bytes(k, config) < _dense_bytes(numel, config):
         indices = topk_indices(flat, k)
         codes, scales = quantize_blocks(flat[indices], config.bits, config.block_size, config.scale_torch_dtype)
-        return Encoded(Mode.SPARSE, numel, codes, scales=scales, indices=indices.to(index_dtype_for(numel)),
-                       **common)
+        return Encoded(Mode.SPARSE, numel, codes, scales=scales, indices=indices.to(index_dtype_for(numel)), **common)
     codes, scales = quantize_blocks(flat, config.bits, config.block_size, config.scale_torch_dtype)
     return Encoded(Mode.DENSE, numel, codes, scales=scales, **common)
 

@@ -90,8 +90,17 @@ class CommStats:
         return saved / self.codec_seconds if self.codec_seconds > 0 else math.inf
 
     def add(self, other: CommStats) -> None:
-        for name in ("calls", "payloads", "raw_nonfinite", "raw_small", "uncompressed_calls", "bytes_before",
-                     "bytes_after", "encode_seconds", "decode_seconds"):
+        for name in (
+            "calls",
+            "payloads",
+            "raw_nonfinite",
+            "raw_small",
+            "uncompressed_calls",
+            "bytes_before",
+            "bytes_after",
+            "encode_seconds",
+            "decode_seconds",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def reset(self) -> None:
@@ -101,10 +110,16 @@ class CommStats:
 
     def as_dict(self) -> dict[str, float]:
         return {
-            "calls": self.calls, "payloads": self.payloads, "raw_nonfinite": self.raw_nonfinite,
-            "raw_small": self.raw_small, "uncompressed_calls": self.uncompressed_calls,
-            "bytes_before": self.bytes_before, "bytes_after": self.bytes_after, "ratio": self.ratio,
-            "encode_seconds": self.encode_seconds, "decode_seconds": self.decode_seconds,
+            "calls": self.calls,
+            "payloads": self.payloads,
+            "raw_nonfinite": self.raw_nonfinite,
+            "raw_small": self.raw_small,
+            "uncompressed_calls": self.uncompressed_calls,
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+            "ratio": self.ratio,
+            "encode_seconds": self.encode_seconds,
+            "decode_seconds": self.decode_seconds,
             "break_even_bytes_per_second": self.break_even_bytes_per_second,
         }
 
@@ -141,8 +156,9 @@ def _encode_segment(
             # scatter: everything not sent stays in the residual, the sent entries leave their rounding error.
             index = encoded.indices.long()
             residual.copy_(compensated)
-            residual[index] -= dequantize_blocks(encoded.values, encoded.scales, encoded.count, encoded.bits,
-                                                 encoded.block_size)
+            residual[index] -= dequantize_blocks(
+                encoded.values, encoded.scales, encoded.count, encoded.bits, encoded.block_size
+            )
         else:
             _store_residual(residual, compensated, decode(encoded))
     stats.payloads += 1
@@ -226,9 +242,15 @@ def compressed_all_to_all(
     bounds = [slice(sum(in_splits[:j]), sum(in_splits[: j + 1])) for j in range(world)]
     start = _clock(x.device)
     blobs = [
-        None if j == rank else
-        _encode_segment(flat[bounds[j]].reshape(-1), res_flat[bounds[j]].reshape(-1) if res_flat is not None else None,
-                        config, x.dtype, stats)
+        None
+        if j == rank
+        else _encode_segment(
+            flat[bounds[j]].reshape(-1),
+            res_flat[bounds[j]].reshape(-1) if res_flat is not None else None,
+            config,
+            x.dtype,
+            stats,
+        )
         for j in range(world)
     ]
     stats.encode_seconds += _clock(x.device) - start
@@ -244,8 +266,10 @@ def compressed_all_to_all(
         else:
             part = decode(Encoded.from_bytes(received[j])).to(x.dtype)
         if part.numel() != out_splits[j] * features:
-            raise RuntimeError(f"rank {j} sent {part.numel()} elements but output_split_sizes[{j}]="
-                               f"{out_splits[j]} rows of {features}: the ranks' split sizes disagree")
+            raise RuntimeError(
+                f"rank {j} sent {part.numel()} elements but output_split_sizes[{j}]="
+                f"{out_splits[j]} rows of {features}: the ranks' split sizes disagree"
+            )
         parts.append(part.reshape(-1))
     out = torch.cat(parts).view(sum(out_splits), *x.shape[1:])
     stats.decode_seconds += _clock(x.device) - start
@@ -275,10 +299,14 @@ def _reduce_scatter_many(
     res_chunks = [r.view(world, -1) if r is not None else None for r in residuals]
     start = _clock(device)
     blobs = [
-        None if j == rank else torch.cat([
-            _encode_segment(c[j], r[j] if r is not None else None, config, c.dtype, stats)
-            for c, r in zip(chunks, res_chunks, strict=True)
-        ])
+        None
+        if j == rank
+        else torch.cat(
+            [
+                _encode_segment(c[j], r[j] if r is not None else None, config, c.dtype, stats)
+                for c, r in zip(chunks, res_chunks, strict=True)
+            ]
+        )
         for j in range(world)
     ]
     stats.encode_seconds += _clock(device) - start
@@ -324,8 +352,9 @@ def _all_gather_many(
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     device = xs[0].device
     start = _clock(device)
-    blob = torch.cat([_encode_segment(x, r, config, dtype, stats)
-                      for x, r, dtype in zip(xs, residuals, raw_dtypes, strict=True)])
+    blob = torch.cat(
+        [_encode_segment(x, r, config, dtype, stats) for x, r, dtype in zip(xs, residuals, raw_dtypes, strict=True)]
+    )
     stats.encode_seconds += _clock(device) - start
     if world == 1:
         gathered, sizes, width = blob, [blob.numel()], blob.numel()
@@ -345,8 +374,7 @@ def _all_gather_many(
     per_rank = [[decode(p) for p in _parse_blob(rows[j, : sizes[j]], len(xs))] for j in range(world)]
     outs = [torch.cat([per_rank[j][i] for j in range(world)]) for i in range(len(xs))]
     stats.decode_seconds += _clock(device) - start
-    stats.bytes_before += sum((world - 1) * x.numel() * d.itemsize
-                              for x, d in zip(xs, raw_dtypes, strict=True))
+    stats.bytes_before += sum((world - 1) * x.numel() * d.itemsize for x, d in zip(xs, raw_dtypes, strict=True))
     return outs
 
 
@@ -427,8 +455,10 @@ def compressed_all_reduce_coalesced(
     residuals = residuals if residuals is not None else [None] * len(tensors)
     gather_residuals = gather_residuals if gather_residuals is not None else [None] * len(tensors)
     if not len(tensors) == len(residuals) == len(gather_residuals):
-        raise ValueError(f"residuals / gather_residuals need one entry per tensor ({len(tensors)}), got "
-                         f"{len(residuals)} / {len(gather_residuals)}")
+        raise ValueError(
+            f"residuals / gather_residuals need one entry per tensor ({len(tensors)}), got "
+            f"{len(residuals)} / {len(gather_residuals)}"
+        )
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
     for x, residual, gather_residual in zip(tensors, residuals, gather_residuals, strict=True):
@@ -436,8 +466,9 @@ def compressed_all_reduce_coalesced(
             raise ValueError(f"residual must have its tensor's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
         chunk = -(-x.numel() // world)
         if gather_residual is not None and gather_residual.shape != (chunk,):
-            raise ValueError(f"gather_residual must have shape ({chunk},) (the owned chunk), got "
-                             f"{tuple(gather_residual.shape)}")
+            raise ValueError(
+                f"gather_residual must have shape ({chunk},) (the owned chunk), got {tuple(gather_residual.shape)}"
+            )
     results: list[torch.Tensor | None] = [None] * len(tensors)
     small = [i for i, x in enumerate(tensors) if x.numel() < config.min_numel]
     if small:
@@ -453,8 +484,9 @@ def compressed_all_reduce_coalesced(
             padded_inputs.append(_pad_flat(x, world * chunk))
             padded_residuals.append(_pad_flat(residual, world * chunk) if residual is not None else None)
         reduced = _reduce_scatter_many(padded_inputs, padded_residuals, config, group, op, stats)
-        gathered = _all_gather_many(reduced, [gather_residuals[i] for i in large], [tensors[i].dtype for i in large],
-                                    config, group, stats)
+        gathered = _all_gather_many(
+            reduced, [gather_residuals[i] for i in large], [tensors[i].dtype for i in large], config, group, stats
+        )
         for i, padded, full in zip(large, padded_residuals, gathered, strict=True):
             residual, x = residuals[i], tensors[i]
             if residual is not None and padded.data_ptr() != residual.data_ptr():
@@ -477,8 +509,10 @@ def _plain_all_reduce(
         stats.uncompressed_calls += 1
     if op == "avg":
         flat /= world
-    return [part.to(x.dtype).view(x.shape) for part, x in zip(flat.split([x.numel() for x in tensors]), tensors,
-                                                                 strict=True)]
+    return [
+        part.to(x.dtype).view(x.shape)
+        for part, x in zip(flat.split([x.numel() for x in tensors]), tensors, strict=True)
+    ]
 
 
 def _pad_flat(t: torch.Tensor, length: int) -> torch.Tensor:

@@ -69,10 +69,14 @@ class GradCompressionState:
         ``(numel,)`` and ``(ceil(numel / world),)`` from ``feedback`` / ``gather_feedback`` under its name; ``None``
         for tensors under ``config.min_numel`` (all-reduced exactly, so they keep no residual)."""
         large = [k >= self.config.min_numel for k in numels]
-        residuals = [self.feedback.residual(n, (k,), device) if big else None
-                     for n, k, big in zip(names, numels, large, strict=True)]
-        gather_residuals = [self.gather_feedback.residual(n, (-(-k // world),), device) if big else None
-                            for n, k, big in zip(names, numels, large, strict=True)]
+        residuals = [
+            self.feedback.residual(n, (k,), device) if big else None
+            for n, k, big in zip(names, numels, large, strict=True)
+        ]
+        gather_residuals = [
+            self.gather_feedback.residual(n, (-(-k // world),), device) if big else None
+            for n, k, big in zip(names, numels, large, strict=True)
+        ]
         return residuals, gather_residuals
 
 
@@ -102,26 +106,33 @@ def ddp_compression_hook(state: GradCompressionState, bucket: dist.GradBucket) -
     params = bucket.parameters()
     numels = [p.numel() for p in params]
     if sum(numels) != buffer.numel():
-        raise RuntimeError("DDP bucket layout not understood: its parameters do not tile its flat buffer "
-                           "(sparse gradients are not supported by the compression hook)")
+        raise RuntimeError(
+            "DDP bucket layout not understood: its parameters do not tile its flat buffer "
+            "(sparse gradients are not supported by the compression hook)"
+        )
     grads = list(buffer.split(numels))
     residuals = gather_residuals = None
     if state.error_feedback:
         try:
             names = [state.names[id(p)] for p in params]
         except KeyError:
-            raise RuntimeError("a DDP bucket holds a parameter unknown to the compression state; register the "
-                               "hook with register_ddp_compression(ddp_model, state)") from None
+            raise RuntimeError(
+                "a DDP bucket holds a parameter unknown to the compression state; register the "
+                "hook with register_ddp_compression(ddp_model, state)"
+            ) from None
         residuals, gather_residuals = state.all_reduce_residuals(names, numels, world, buffer.device)
-    averaged = compressed_all_reduce_coalesced(grads, state.config, state.group, "avg", residuals, gather_residuals,
-                                               state.stats)
+    averaged = compressed_all_reduce_coalesced(
+        grads, state.config, state.group, "avg", residuals, gather_residuals, state.stats
+    )
     return _completed(torch.cat(averaged))
 
 
 # DDP checks a hook's annotations by identity (torch.nn.parallel.DistributedDataParallel._check_comm_hook); under
 # ``from __future__ import annotations`` they are strings and fail that check, so the real objects are set here.
 ddp_compression_hook.__annotations__ = {
-    "state": GradCompressionState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
+    "state": GradCompressionState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
 }
 
 
@@ -141,8 +152,10 @@ def _op_name(op: Any) -> Literal["sum", "avg"]:
         return "avg"
     if op == dist.ReduceOp.SUM:
         return "sum"
-    raise RuntimeError(f"compressed reduce-scatter supports ReduceOp.SUM and ReduceOp.AVG, FSDP2 asked for {op} "
-                       "(a custom gradient divide factor, i.e. PREMUL_SUM, is not supported)")
+    raise RuntimeError(
+        f"compressed reduce-scatter supports ReduceOp.SUM and ReduceOp.AVG, FSDP2 asked for {op} "
+        "(a custom gradient divide factor, i.e. PREMUL_SUM, is not supported)"
+    )
 
 
 class CompressedReduceScatter:
@@ -190,8 +203,9 @@ class CompressedReduceScatter:
         residual = None
         if state.error_feedback:
             residual = state.feedback.residual(self.key, input_tensor.shape, input_tensor.device)
-        output_tensor.copy_(compressed_reduce_scatter(input_tensor, state.config, group, op_name, residual,
-                                                      state.stats))
+        output_tensor.copy_(
+            compressed_reduce_scatter(input_tensor, state.config, group, op_name, residual, state.stats)
+        )
         return None
 
 
@@ -207,8 +221,10 @@ def register_fsdp_compression(root: nn.Module, state: GradCompressionState) -> l
     from torch.distributed.fsdp import FSDPModule
 
     if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-        raise RuntimeError(f"torch {torch.__version__} has no FSDPModule.set_custom_reduce_scatter, so FSDP2's "
-                           "gradient reduce-scatter cannot be replaced by a compressed one; upgrade torch or use DDP")
+        raise RuntimeError(
+            f"torch {torch.__version__} has no FSDPModule.set_custom_reduce_scatter, so FSDP2's "
+            "gradient reduce-scatter cannot be replaced by a compressed one; upgrade torch or use DDP"
+        )
     keys = []
     for name, module in root.named_modules():
         if isinstance(module, FSDPModule):
