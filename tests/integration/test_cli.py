@@ -21,6 +21,30 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 
 
+def _run_fit(
+    tmp_path: Path, config: str, *overrides: str, env: dict[str, str] | None = None, timeout: int = 300
+) -> None:
+    """``lightning-mm fit --config examples/configs/<config>`` in a real process, writing under ``tmp_path``."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_mm.cli",
+            "fit",
+            "--config",
+            str(REPO / "examples/configs" / config),
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            *overrides,
+        ],
+        cwd=tmp_path,
+        env=env if env is not None else {**os.environ, "WANDB_MODE": "offline"},
+        check=True,
+        capture_output=True,
+        timeout=timeout,
+    )
+
+
 def test_configs_exist():
     assert {p.name for p in CONFIGS} >= {"default.yaml", "tiny.yaml", "tiny_fixed_batches.yaml"}
 
@@ -71,23 +95,7 @@ def test_fit_tiny_end_to_end_logs_to_offline_wandb(tmp_path):
     # A real process, as a user runs it: W&B writes its run file completely only at process exit.
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
     env["NETRC"] = str(tmp_path / "no-netrc")  # no key configured -> the CLI must choose offline
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_mm.cli",
-            "fit",
-            "--config",
-            str(REPO / "examples/configs/tiny.yaml"),
-            f"--trainer.default_root_dir={tmp_path}",
-            f"--trainer.logger.init_args.save_dir={tmp_path}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    _run_fit(tmp_path, "tiny.yaml", env=env)
     runs = find_offline_runs(tmp_path)
     assert len(runs) == 1
     history = read_offline_history(runs[0])
@@ -141,24 +149,7 @@ def test_make_shards_subcommand_is_wired(tmp_path):
 
 def test_fit_with_hybrid_strategy_from_yaml_on_two_processes(tmp_path):
     """The strategy built from YAML, Lightning's own launcher starting the second process, a DCP checkpoint."""
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_mm.cli",
-            "fit",
-            "--config",
-            str(REPO / "examples/configs/tiny_hybrid.yaml"),
-            f"--trainer.default_root_dir={tmp_path}",
-            f"--trainer.logger.init_args.save_dir={tmp_path}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    _run_fit(tmp_path, "tiny_hybrid.yaml")
     checkpoints = list(tmp_path.glob("**/checkpoints/*.ckpt"))
     assert len(checkpoints) == 1 and checkpoints[0].is_dir()
     topology = read_topology(checkpoints[0])
@@ -167,28 +158,15 @@ def test_fit_with_hybrid_strategy_from_yaml_on_two_processes(tmp_path):
     assert len(metric_series(history, "train/loss")) == 6
 
 
-def _fit_losses(tmp_path, *overrides: str) -> list[float]:
+def _fit_losses(tmp_path: Path, *overrides: str) -> list[float]:
     tmp_path.mkdir(parents=True)
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_mm.cli",
-            "fit",
-            "--config",
-            str(REPO / "examples/configs/tiny_hybrid.yaml"),
-            f"--trainer.default_root_dir={tmp_path}",
-            f"--trainer.logger.init_args.save_dir={tmp_path}",
-            "--trainer.max_steps=20",
-            "--trainer.val_check_interval=10",
-            "--trainer.enable_checkpointing=false",
-            *overrides,
-        ],
-        cwd=tmp_path,
-        env=env,
-        check=True,
-        capture_output=True,
+    _run_fit(
+        tmp_path,
+        "tiny_hybrid.yaml",
+        "--trainer.max_steps=20",
+        "--trainer.val_check_interval=10",
+        "--trainer.enable_checkpointing=false",
+        *overrides,
         timeout=400,
     )
     return metric_series(read_offline_history(find_offline_runs(tmp_path)[0]), "train/loss")
