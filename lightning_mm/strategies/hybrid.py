@@ -36,8 +36,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -65,6 +63,11 @@ from lightning_mm.parallel.pipeline import (
 )
 from lightning_mm.parallel.plans import apply_tensor_parallel
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
+from lightning_mm.strategies._compat import (
+    materialize_distributed_module,
+    optimizers_to_device,
+    skip_lightning_backward,
+)
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
 from lightning_mm.strategies.precision import with_mesh_clipping
 
@@ -348,7 +351,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         mp_policy = mixed_precision_policy(precision)
         if not is_overridden("configure_model", self.lightning_module):
             self.parallelize(self.lightning_module, mp_policy)
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -357,7 +360,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.precision_plugin = with_mesh_clipping(self.precision_plugin, self.norm_groups)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def parallel_plan(self, module: nn.Module) -> ParallelPlan:
         """What ``module`` declares (its ``parallel_plan()``, :mod:`lightning_mm.parallel.protocol`), with this
@@ -620,7 +623,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         batch, batch_idx = args[0], args[1]
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
-            # Lightning's own zero_grad is skipped with its backward (fit_loop._skip_backward, set in on_train_start).
+            # Lightning's own zero_grad is skipped with its backward (skip_lightning_backward in on_train_start).
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
         record_step, path = self._timeline_request
@@ -659,13 +662,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._pipeline is not None:
             # The schedule has run backward inside training_step: Lightning must neither zero the gradients after it
             # (its closure's zero_grad would silently discard them) nor run its own backward.
-            self.lightning_module.trainer.fit_loop._skip_backward = True
+            skip_lightning_backward(self.lightning_module.trainer, True)
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
         if self._pipeline is not None:
-            self.lightning_module.trainer.fit_loop._skip_backward = False
+            skip_lightning_backward(self.lightning_module.trainer, False)
 
     def record_timeline(self, step: int, path: str | Path | None = None) -> None:
         """Record the start / end of every forward and backward chunk on every rank at optimizer step ``step``; rank
