@@ -8,6 +8,14 @@ Layout of a checkpoint directory (what :class:`~lightning_mm.strategies.HybridPa
                                   callbacks, hyper-parameters, DataModule state) + "lightning_mm_topology"
       topology.json               the same topology, human-readable
 
+Loading is safe by default: nothing in a checkpoint is unpickled with plain ``pickle`` or ``torch.load(...,
+weights_only=False)`` unless the caller opts in for a file it trusts (``weights_only=False``). ``meta.pt`` and
+one-file checkpoints are read with ``weights_only=True`` (:func:`safe_load`); DCP's own ``.metadata`` (which torch
+2.13 reads with plain ``pickle.load``) through :class:`SafeFileSystemReader`, whose unpickler admits only DCP's
+metadata classes; DCP's non-tensor items (optimizer ``param_groups``, which DCP's planners read with
+``weights_only=False``) through :class:`SafeLoadPlanner`. A refused file raises :class:`UnsafeCheckpointError`
+saying why and how to opt in.
+
 Model keys are the *unsharded* model's FQNs (``torch.distributed.checkpoint.state_dict.get_model_state_dict``
 strips FSDP / TP wrappers) and optimizer state is keyed by the same FQNs, so DCP reshards on load: a checkpoint
 written at tp2 x fsdp2 on 4 ranks loads at fsdp2 on 2 ranks or into one process. ``meta.pt`` is the file name
@@ -20,8 +28,10 @@ and ``LightningModule.load_from_checkpoint`` reads.
 
 from __future__ import annotations
 
+import io
 import json
-import tempfile
+import pathlib
+import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch import nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,10 +53,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from typing_extensions import override
 
 __all__ = [
     "METADATA_FILE",
     "TOPOLOGY_KEY",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "UnsafeCheckpointError",
+    "safe_load",
     "consolidate",
     "consolidate_main",
     "is_sharded_checkpoint",
@@ -56,6 +77,164 @@ METADATA_FILE = "meta.pt"
 TOPOLOGY_FILE = "topology.json"
 TOPOLOGY_KEY = "lightning_mm_topology"
 MODEL_KEY = "state_dict"
+
+
+# ----------------------------------------------------------------------------------------------- safe loading
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file holds objects whose unpickling could run code; it was not loaded."""
+
+
+_OPT_IN = (
+    "if you trust the file (you wrote it yourself), load it with weights_only=False (Trainer.fit(..., "
+    "weights_only=False), HybridParallelStrategy.load_checkpoint(..., weights_only=False)), or allow the classes "
+    "it needs with torch.serialization.add_safe_globals"
+)
+
+
+def safe_load(path: str | Path | io.BytesIO, what: str, weights_only: bool | None = True, **kwargs: Any) -> Any:
+    """``torch.load`` that refuses anything beyond tensors and plain containers unless ``weights_only=False``.
+
+    ``weights_only=None`` counts as ``True``. A refused file raises :class:`UnsafeCheckpointError` naming ``what``
+    (e.g. the file) and the opt-in; nothing in it has run by then (torch's weights-only unpickler stops at the first
+    global it does not admit).
+    """
+    if weights_only is False:
+        return torch.load(path, weights_only=False, **kwargs)
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as error:
+        reason = str(error).strip().splitlines()
+        detail = next(
+            (line for line in reason if "GLOBAL" in line or "Unsupported" in line), reason[0] if reason else ""
+        )
+        raise UnsafeCheckpointError(
+            f"refusing to load {what}: it holds objects that torch.load(weights_only=True) does not admit "
+            f"({detail.strip()}), and unpickling them could run arbitrary code; {_OPT_IN}"
+        ) from None
+
+
+def _dcp_metadata_class(module: str, name: str) -> Any | None:
+    """What DCP's ``.metadata`` pickle may name: the dataclasses and enums of DCP's metadata, the file system
+    reader's storage info, and the torch / pathlib values they hold. ``None`` for anything else."""
+    if module == dcp_metadata.__name__:
+        value = getattr(dcp_metadata, name, None)
+        return value if isinstance(value, type) and value.__module__ == module else None
+    if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        return _StorageInfo
+    if module == "torch":
+        value = getattr(torch, name, None)
+        return value if name == "Size" or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else None
+    if (module, name) == ("torch.serialization", "_get_layout"):  # layout by name, how torch pickles torch.layout
+        return torch.serialization._get_layout
+    if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
+        return getattr(pathlib, name)
+    if (module, name) == ("collections", "OrderedDict"):
+        import collections
+
+        return collections.OrderedDict
+    return None
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        value = _dcp_metadata_class(module, name)
+        if value is None:
+            raise UnsafeCheckpointError(
+                f"refusing to load {self.path}: DCP's .metadata names {module}.{name}, which is not part of "
+                f"checkpoint metadata, and unpickling it could run arbitrary code; {_OPT_IN}"
+            )
+        return value
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` whose ``.metadata`` unpickler admits only DCP's metadata classes.
+
+    torch 2.13 reads ``.metadata`` with plain ``pickle.load``, so a crafted file runs code on load (reported
+    upstream: https://github.com/pytorch/pytorch/issues/189308).
+    ``weights_only=False`` keeps torch's own reader for a trusted directory.
+    """
+
+    def __init__(self, path: str | Path, weights_only: bool | None = True) -> None:
+        super().__init__(path)
+        self.weights_only = weights_only is not False
+
+    @override
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if not self.weights_only:
+            return super().read_metadata(*args, **kwargs)
+        # The same steps as FileSystemReader.read_metadata, with the restricted unpickler.
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = _DCPMetadataUnpickler(metadata_file, str(path)).load()
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{path} is not DCP metadata (it unpickles to {type(metadata).__name__})")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeBytes:
+    """``load_bytes`` with ``weights_only=True``: DCP's planners read non-tensor items (e.g. optimizer
+    ``param_groups``) with ``torch.load(..., weights_only=False)``."""
+
+    weights_only: bool = True
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = safe_load(value, f"the checkpoint entry {fqn!r}", weights_only=self.weights_only)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that reads non-tensor items with ``weights_only=True``."""
+
+    def __init__(self, weights_only: bool | None = True) -> None:
+        super().__init__()
+        self.weights_only = weights_only is not False
+
+
+class _SafeEmptyStateDictLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    """The planner of ``dcp_to_torch_save`` (load everything into an empty dict), reading bytes safely."""
+
+    def __init__(self, weights_only: bool | None = True) -> None:
+        super().__init__()
+        self.weights_only = weights_only is not False
+
+
+def _dcp_load(action, path: Path, weights_only: bool | None) -> None:
+    """Run a DCP load (``action(reader)``) with the safe reader; a refusal inside DCP surfaces as itself.
+
+    The metadata is read first, outside DCP, so a crafted ``.metadata`` raises :class:`UnsafeCheckpointError`
+    directly; DCP wraps errors of its read steps (a refused non-tensor entry) into a ``CheckpointException``,
+    which is unwrapped here.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = SafeFileSystemReader(path, weights_only)
+    reader.read_metadata()
+    try:
+        action(reader)
+    except CheckpointException as error:
+        for failure in error.failures.values():
+            exception = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exception, UnsafeCheckpointError):
+                raise exception from None
+        raise
+
+
+# ----------------------------------------------------------------------------------------------- layout
 
 
 def _optimizer_key(index: int) -> str:
@@ -98,15 +277,15 @@ def save_sharded(
         (path / TOPOLOGY_FILE).write_text(json.dumps(metadata.get(TOPOLOGY_KEY, {}), indent=2, sort_keys=True) + "\n")
 
 
-def read_topology(path: str | Path) -> dict[str, Any]:
+def read_topology(path: str | Path, weights_only: bool | None = True) -> dict[str, Any]:
     """The topology a checkpoint (directory or consolidated file) was written with; ``{}`` if unrecorded."""
     path = Path(path)
     if path.is_dir():
         json_file = path / TOPOLOGY_FILE
         if json_file.is_file():
             return json.loads(json_file.read_text())
-        return torch.load(path / METADATA_FILE, weights_only=False).get(TOPOLOGY_KEY, {})
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True).get(TOPOLOGY_KEY, {})
+        return safe_load(path / METADATA_FILE, str(path / METADATA_FILE), weights_only).get(TOPOLOGY_KEY, {})
+    return safe_load(path, str(path), weights_only, map_location="cpu", mmap=True).get(TOPOLOGY_KEY, {})
 
 
 def load_sharded(
@@ -114,8 +293,11 @@ def load_sharded(
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     strict: bool = True,
+    weights_only: bool | None = True,
 ) -> dict[str, Any]:
     """Load model and optimizer state from a checkpoint directory into ``model`` as it is sharded *now*.
+
+    Safe unless ``weights_only=False`` (module docstring): a crafted file raises :class:`UnsafeCheckpointError`.
 
     The current model's (and optimizers') state dicts define which shard of every tensor this rank reads, so the
     mesh may differ from the one the checkpoint was written on; a model with plain tensors (one process, no
@@ -126,15 +308,27 @@ def load_sharded(
         raise FileNotFoundError(
             f"{str(path)!r} is not a sharded checkpoint directory (expected .metadata and {METADATA_FILE} inside it)"
         )
+    # meta.pt first: a refused file stops the load before any state changed.
+    metadata = safe_load(path / METADATA_FILE, str(path / METADATA_FILE), weights_only=weights_only)
     model_state = {MODEL_KEY: get_model_state_dict(model)}
-    dcp.load(model_state, checkpoint_id=path)
+    _dcp_load(
+        lambda reader: dcp.load(model_state, storage_reader=reader, planner=SafeLoadPlanner(weights_only)),
+        path,
+        weights_only,
+    )
     set_model_state_dict(model, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         # get_optimizer_state_dict initialises empty optimizer state first, so every entry has a target tensor.
         optimizer_state = {_optimizer_key(index): get_optimizer_state_dict(model, optimizer)}
-        dcp.load(optimizer_state, checkpoint_id=path)
+        _dcp_load(
+            lambda reader, state=optimizer_state: dcp.load(
+                state, storage_reader=reader, planner=SafeLoadPlanner(weights_only)
+            ),
+            path,
+            weights_only,
+        )
         set_optimizer_state_dict(model, optimizer, optimizer_state[_optimizer_key(index)])
-    return torch.load(path / METADATA_FILE, weights_only=False)
+    return metadata
 
 
 def optimizer_state_by_index(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -166,7 +360,7 @@ def optimizer_state_by_fqn(state: Mapping[str, Any], fqns: Sequence[str]) -> dic
     }
 
 
-def consolidate(checkpoint_dir: str | Path, output: str | Path) -> dict[str, Any]:
+def consolidate(checkpoint_dir: str | Path, output: str | Path, weights_only: bool | None = True) -> dict[str, Any]:
     """Write the sharded checkpoint ``checkpoint_dir`` as one Lightning checkpoint file ``output``.
 
     Runs in one process with no process group (DCP reads every shard). The file holds ``state_dict`` (full
@@ -183,11 +377,19 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path) -> dict[str, Any
     if output.is_dir():
         raise IsADirectoryError(f"OUT {str(output)!r} is a directory; give a file name such as model.ckpt")
     output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
-        flat_file = Path(tmp) / "full.pt"
-        dcp_to_torch_save(checkpoint_dir, flat_file)
-        full = torch.load(flat_file, weights_only=False)
-    checkpoint = torch.load(checkpoint_dir / METADATA_FILE, weights_only=False)
+    checkpoint = safe_load(
+        checkpoint_dir / METADATA_FILE, str(checkpoint_dir / METADATA_FILE), weights_only=weights_only
+    )
+    # What torch's dcp_to_torch_save does, in memory and with the safe reader / planner (it uses plain pickle for
+    # .metadata and weights_only=False for non-tensor items).
+    full: dict[str, Any] = {}
+    _dcp_load(
+        lambda reader: _load_state_dict(
+            full, storage_reader=reader, planner=_SafeEmptyStateDictLoadPlanner(weights_only), no_dist=True
+        ),
+        checkpoint_dir,
+        weights_only,
+    )
     checkpoint[MODEL_KEY] = full[MODEL_KEY]
     count = sum(1 for key in full if key.startswith("optimizer_"))
     checkpoint["optimizer_states"] = [optimizer_state_by_index(full[_optimizer_key(i)]) for i in range(count)]
@@ -211,7 +413,7 @@ def consolidate_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     try:
         topology = consolidate(args.checkpoint_dir, args.output)
-    except (FileNotFoundError, IsADirectoryError) as error:
+    except (FileNotFoundError, IsADirectoryError, UnsafeCheckpointError) as error:
         parser.exit(2, f"lightning-mm consolidate: error: {error}\n")
     mesh = topology.get("mesh", {})
     source = " x ".join(f"{name}{size}" for name, size in mesh.items() if size > 1) or "1 process"

@@ -32,6 +32,7 @@ import numpy as np
 from PIL import Image
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "ERROR_KINDS",
     "IMAGE_KEYS",
     "NOTICE_KINDS",
@@ -55,6 +56,7 @@ ERROR_KINDS: tuple[str, ...] = (
     "image_empty",
     "image_unreadable",
     "image_corrupt",
+    "image_too_large",
     "caption_missing",
     "caption_not_utf8",
     "json_without_caption",
@@ -76,6 +78,31 @@ ON_ERROR_CHOICES = ("skip", "raise")
 _PIXEL_LIMIT = 1 << 30
 if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < _PIXEL_LIMIT:
     Image.MAX_IMAGE_PIXELS = _PIXEL_LIMIT
+
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
+"""Images whose header declares more pixels are skipped as ``image_too_large`` before any pixel is decoded: decoding
+one RGB image takes ~3 bytes per pixel (200 MB at this limit, 4.8 GB for a 40000 x 40000 header that a 118-byte PNG
+can declare), while the model uses at most ``max_patches_per_image`` patches of it. PIL's own guard above
+(``MAX_IMAGE_PIXELS``) is a process-wide backstop; this one is per DataModule and counted."""
+
+
+def check_image_pixels(max_image_pixels: int | None) -> int | None:
+    """Validate the ``max_image_pixels`` argument (``None``: no limit beyond PIL's)."""
+    if max_image_pixels is not None and (
+        isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int) or max_image_pixels < 1
+    ):
+        raise ValueError(f"max_image_pixels must be an integer >= 1 or None, got {max_image_pixels!r}")
+    return max_image_pixels
+
+
+def _too_large(width: int, height: int, max_image_pixels: int | None) -> str | None:
+    if max_image_pixels is not None and width * height > max_image_pixels:
+        return (
+            f"the header declares {width} x {height} = {width * height} pixels, more than max_image_pixels="
+            f"{max_image_pixels} (decoding it would take ~{3 * width * height / 2**20:.0f} MiB)"
+        )
+    return None
+
 
 # webdataset's split of a member name into key and extension (``base_plus_ext``), and the member
 # names it skips (``__key__``-style metadata).
@@ -231,6 +258,7 @@ def index_shard(
     errors: ErrorLog,
     image_keys: Sequence[str] = IMAGE_KEYS,
     text_keys: Sequence[str] = TEXT_KEYS,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> list[SampleRecord]:
     """Read a local, uncompressed tar shard once, in tar order, and return its valid samples.
 
@@ -242,7 +270,8 @@ def index_shard(
       no end-of-archive block): ``tar_truncated``; the samples read completely before the damage are
       returned. The sample being read at the damage is dropped, even if its files seem intact, since
       more of its files may have followed.
-    * zero-byte image file: ``image_empty``; image header PIL cannot parse: ``image_unreadable``.
+    * zero-byte image file: ``image_empty``; image header PIL cannot parse: ``image_unreadable``; a header
+      declaring more than ``max_image_pixels`` pixels: ``image_too_large`` (nothing decoded).
     * no caption file, or an empty caption: ``caption_missing``; caption bytes not UTF-8:
       ``caption_not_utf8``; no txt / caption file and a json without a ``"caption"`` string:
       ``json_without_caption``. These samples are skipped.
@@ -256,6 +285,7 @@ def index_shard(
         raise TypeError(f"errors must be an ErrorLog, got {type(errors).__name__}")
     image_keys = _check_keys(image_keys, "image_keys")
     text_keys = _check_keys(text_keys, "text_keys")
+    check_image_pixels(max_image_pixels)
     # "json" is read for its caption field only, so it can be neither an image nor a plain-text key.
     overlap = (set(image_keys) & set(text_keys)) | ({"json"} & (set(image_keys) | set(text_keys)))
     if overlap:
@@ -295,7 +325,9 @@ def index_shard(
         def close_group() -> None:
             if group_key is None:
                 return
-            record = _validate(raw, tar, url, group_key, group_files, len(records), image_keys, text_keys, errors)
+            record = _validate(
+                raw, tar, url, group_key, group_files, len(records), image_keys, text_keys, errors, max_image_pixels
+            )
             if record is not None:
                 records.append(record)
 
@@ -363,6 +395,7 @@ def _validate(
     image_keys: tuple[str, ...],
     text_keys: tuple[str, ...],
     errors: ErrorLog,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> SampleRecord | None:
     """The record of one complete sample, or None (after reporting to ``errors``) when it is bad."""
     files = {ext: (info.offset_data, info.size) for ext, info in members.items()}
@@ -385,6 +418,10 @@ def _validate(
             raise
         except Exception as err:  # PIL raises many types for a bad header (OSError, SyntaxError, ...)
             errors.error("image_unreadable", url, key, f"cannot parse the {image_key!r} header ({err})")
+            return None
+        too_large = _too_large(width, height, max_image_pixels)
+        if too_large is not None:
+            errors.error("image_too_large", url, key, too_large)
             return None
     else:
         errors.notice("image_missing")  # a legal missing modality: the sample trains on its text only
@@ -454,7 +491,9 @@ def _to_rgb(image: Image.Image, rawmode: str | None) -> Image.Image:
     return image.convert("RGB")
 
 
-def load_rgb_image(data: bytes, url: str, key: str, errors: ErrorLog) -> Image.Image | None:
+def load_rgb_image(
+    data: bytes, url: str, key: str, errors: ErrorLog, max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
+) -> Image.Image | None:
     """Fully decode ``data`` to an RGB PIL image.
 
     Non-RGB images (L, 1, LA, P with or without transparency, RGBA, CMYK, 16-bit I;16 / I;16B / I, F)
@@ -462,17 +501,24 @@ def load_rgb_image(data: bytes, url: str, key: str, errors: ErrorLog) -> Image.I
     composited onto white, 16-bit samples are scaled by their bit depth. A decode failure (a
     truncated or corrupt image whose header was fine) is reported as ``image_corrupt``; under
     ``"skip"`` the result is then None. EXIF orientation is not applied, so the decoded size is the
-    header size that :func:`index_shard` recorded and planned with.
+    header size that :func:`index_shard` recorded and planned with. A header declaring more than
+    ``max_image_pixels`` pixels is ``image_too_large`` and is not decoded (the file may have changed since it was
+    indexed).
     """
     try:
-        image = Image.open(io.BytesIO(data))
-        # The rawmode tells the stored bit depth of "I" images; load() clears the tile list holding it.
-        rawmode = _rawmode(image)
-        image.load()
+        image = Image.open(io.BytesIO(data))  # the header only
+        too_large = _too_large(*image.size, max_image_pixels)
+        if too_large is None:
+            # The rawmode tells the stored bit depth of "I" images; load() clears the tile list holding it.
+            rawmode = _rawmode(image)
+            image.load()
     except MemoryError:
         raise
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad data
         errors.error("image_corrupt", url, key, f"cannot decode the image ({type(err).__name__}: {err})")
+        return None
+    if too_large is not None:  # reported outside the try: under on_error="raise" this raises BadSampleError
+        errors.error("image_too_large", url, key, too_large)
         return None
     if image.mode == "RGB" and "transparency" not in image.info:
         return image

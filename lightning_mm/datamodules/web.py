@@ -46,10 +46,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from lightning_mm.batch import IGNORE_INDEX, PAD_SEGMENT, MultimodalBatch
 from lightning_mm.datamodules.common import EpochAwareLoader, data_parallel_rank_and_size, expand_urls, load_manifest
 from lightning_mm.datamodules.decode import (
+    DEFAULT_MAX_IMAGE_PIXELS,
     IMAGE_KEYS,
     TEXT_KEYS,
     ErrorLog,
     SampleRecord,
+    check_image_pixels,
     index_shard,
     load_rgb_image,
     read_sample_files,
@@ -108,6 +110,7 @@ class _PlannedSplit(IterableDataset):
         self.config = owner.regroup_config()
         self.shuffle, self.rank, self.world = shuffle, rank, world
         self.on_error = owner.hparams.on_error
+        self.max_image_pixels = owner.hparams.max_image_pixels
         self.epoch, self.skip = 0, 0
         self._plans: dict[int, EpochPlan] = {}
 
@@ -191,7 +194,7 @@ class _PlannedSplit(IterableDataset):
         if record.image_key is None:
             patches, positions = torch.zeros(0, 3 * cfg["patch_size"] ** 2), torch.zeros(0, 2, dtype=torch.long)
         else:
-            image = load_rgb_image(files[record.image_key], record.url, record.key, errors)
+            image = load_rgb_image(files[record.image_key], record.url, record.key, errors, self.max_image_pixels)
             if image is None:  # corrupt body behind a valid header: skipped and counted
                 return None
             patches, positions = patchify(image, cfg["patch_size"], cfg["max_patches_per_image"])
@@ -276,6 +279,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
             losses are zero and whose gradients are zero, so nothing is lost and nothing is counted
             twice). Validation always uses ``pad`` and keeps the last short batch, so every validation
             pair is scored.
+        max_image_pixels: images whose header declares more pixels are skipped and counted as
+            ``image_too_large`` before any pixel is decoded (default 8192 x 8192; None: PIL's own limit only).
     """
 
     def __init__(
@@ -301,8 +306,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
         on_error: Literal["skip", "raise"] = "skip",
         val_batch_size: int | None = None,
         epoch_policy: Literal["drop", "pad"] = "drop",
+        max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
         super().__init__()
+        check_image_pixels(max_image_pixels)
         if regroup not in ("none", "bucket", "pack"):
             raise ValueError(f"regroup must be one of 'none', 'bucket', 'pack', got {regroup!r}")
         if epoch_policy not in ("drop", "pad"):
@@ -390,7 +397,11 @@ class ImageTextWebDataModule(L.LightningDataModule):
         hp = self.hparams
         image_keys = tuple(hp.image_keys or IMAGE_KEYS)
         text_keys = tuple(hp.text_keys or TEXT_KEYS)
-        records = [r for url in shards[split] for r in index_shard(url, self.error_log, image_keys, text_keys)]
+        records = [
+            r
+            for url in shards[split]
+            for r in index_shard(url, self.error_log, image_keys, text_keys, self.hparams.max_image_pixels)
+        ]
         if not records:
             raise ValueError(
                 f"{split}_urls: no valid sample in {len(shards[split])} shard(s); error counts: {self.error_log.counts}"

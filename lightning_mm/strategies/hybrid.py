@@ -704,13 +704,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded directory or one file; safe unless ``weights_only=False`` (``None`` counts as ``True``):
+        objects beyond tensors and plain containers are refused with
+        :class:`~lightning_mm.checkpoint.UnsafeCheckpointError` before anything is unpickled."""
         path = Path(self.broadcast(checkpoint_path))
         strict = self.lightning_module.strict_loading
         if not ckpt.is_sharded_checkpoint(path):
             if path.is_file():
-                return self._load_full_checkpoint(path, strict)
+                return self._load_full_checkpoint(path, strict, weights_only)
             raise FileNotFoundError(f"ckpt_path {str(path)!r} is neither a sharded checkpoint directory nor a file")
-        saved = ckpt.read_topology(path)
+        saved = ckpt.read_topology(path, weights_only=weights_only)
         self._check_expert_layout(saved or {}, path)
         now = self.topology()
         if saved and saved.get("mesh") != now["mesh"]:
@@ -722,9 +725,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 now["world_size"],
                 _describe(now["mesh"]),
             )
-        return ckpt.load_sharded(path, self.model, self.optimizers, strict=strict)
+        return ckpt.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
 
-    def _load_full_checkpoint(self, path: Path, strict: bool) -> dict[str, Any]:
+    def _load_full_checkpoint(self, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
         """A one-file checkpoint (``lightning-mm consolidate`` output or a plain Trainer's): every rank reads it
         and keeps its shards."""
         from torch.distributed.checkpoint.state_dict import (
@@ -733,7 +736,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        checkpoint = ckpt.safe_load(path, f"ckpt_path {str(path)!r}", weights_only, map_location="cpu", mmap=True)
         self._check_expert_layout(checkpoint.get(ckpt.TOPOLOGY_KEY) or {}, path)
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)

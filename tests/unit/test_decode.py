@@ -7,7 +7,9 @@ import io
 import json
 import pickle
 import random
+import resource
 import tarfile
+import time
 import warnings
 import zlib
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 from PIL import Image
 
 from lightning_mm.datamodules.decode import (
+    DEFAULT_MAX_IMAGE_PIXELS,
     ERROR_KINDS,
     NOTICE_KINDS,
     BadSampleError,
@@ -212,12 +215,34 @@ def _png_header_only(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
-def test_12000_square_header_is_no_decompression_bomb(shard):
+def test_12000_square_header_is_no_decompression_bomb_when_allowed(shard):
+    """A large legitimate photo passes PIL's process-wide guard; the per-DataModule limit is what admits it."""
     url = shard(sample("s000001", image=_png_header_only(12000, 12000)))
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
-        (record,) = index_shard(url, ErrorLog("raise"))
+        (record,) = index_shard(url, ErrorLog("raise"), max_image_pixels=12000 * 12000)
     assert (record.width, record.height) == (12000, 12000)
+    assert DEFAULT_MAX_IMAGE_PIXELS < 12000 * 12000  # by default it is skipped as image_too_large (below)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_decompression_bomb_header_is_skipped_fast_without_decoding(shard, policy):
+    """A 118-byte PNG declaring 40000 x 40000 pixels (4.8 GB decoded) is skipped from its header, counted."""
+    bomb = _png_header_only(40000, 40000)
+    assert len(bomb) < 200
+    url = shard(good_samples(1) + sample("s000002", image=bomb) + good_samples(3))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    records, _ = check_bad(policy, "image_too_large", url, "s000002", lambda e: index_shard(url, e))
+    assert time.perf_counter() - start < 1.0
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024 < 200  # KiB -> MiB
+    if records is not None:
+        assert keys(records) == ["s000001", "s000003"]
+    # A file that grew into a bomb after indexing is refused at decode time too, before any pixel is decoded.
+    result, _ = check_bad(policy, "image_too_large", url, "s000002", lambda e: load_rgb_image(bomb, url, "s000002", e))
+    assert result is None
+    with pytest.raises(ValueError, match="max_image_pixels"):
+        index_shard(url, ErrorLog("skip"), max_image_pixels=0)
 
 
 # ------------------------------------------------------------------------------------------- colour modes

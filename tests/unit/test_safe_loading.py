@@ -1,0 +1,138 @@
+"""Loading a checkpoint never runs code from it: a pickle payload in the project's metadata (``meta.pt``), in DCP's
+own ``.metadata``, in a DCP non-tensor entry, or in a one-file checkpoint is refused with a message that says why
+and how to opt in, and the payload (which would create a file) never runs. One process, no process group."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mm import checkpoint as ckpt
+from lightning_mm.strategies import HybridParallelStrategy
+
+
+class _Payload:
+    """Unpickling this calls ``open(marker, "w")``: the file exists afterwards iff the payload ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+def _write_checkpoint(path: Path, extra_param_group_value=None) -> nn.Module:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    optimizer_state = get_optimizer_state_dict(model, optimizer)
+    if extra_param_group_value is not None:
+        optimizer_state["param_groups"][0]["note"] = extra_param_group_value
+    ckpt.save_sharded(path, get_model_state_dict(model), [optimizer_state], {ckpt.TOPOLOGY_KEY: {"world_size": 1}})
+    return model
+
+
+def _load(path: Path, weights_only=True) -> dict:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return ckpt.load_sharded(path, model, [optimizer], weights_only=weights_only)
+
+
+def test_a_clean_checkpoint_round_trips(tmp_path):
+    saved = _write_checkpoint(tmp_path / "ck")
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    meta = ckpt.load_sharded(tmp_path / "ck", model, [optimizer])
+    assert meta[ckpt.TOPOLOGY_KEY] == {"world_size": 1}
+    for a, b in zip(saved.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    ckpt.consolidate(tmp_path / "ck", tmp_path / "one.ckpt")
+    assert ckpt.read_topology(tmp_path / "one.ckpt")["consolidated"] is True
+
+
+def test_payload_in_meta_pt_is_refused(tmp_path):
+    marker = tmp_path / "ran"
+    _write_checkpoint(tmp_path / "ck")
+    torch.save({ckpt.TOPOLOGY_KEY: {}, "evil": _Payload(marker)}, tmp_path / "ck" / ckpt.METADATA_FILE)
+    (tmp_path / "ck" / "topology.json").unlink()  # read_topology falls back to meta.pt
+    for attempt in (
+        lambda: _load(tmp_path / "ck"),
+        lambda: ckpt.read_topology(tmp_path / "ck"),
+        lambda: ckpt.consolidate(tmp_path / "ck", tmp_path / "out.ckpt"),
+    ):
+        with pytest.raises(ckpt.UnsafeCheckpointError, match=r"meta\.pt.*weights_only=False"):
+            attempt()
+    assert not marker.exists()
+    # The opt-in for a trusted file does what it says (here: runs the payload).
+    ckpt.read_topology(tmp_path / "ck", weights_only=False)
+    assert marker.exists()
+
+
+def test_payload_in_dcp_metadata_is_refused(tmp_path):
+    marker = tmp_path / "ran"
+    _write_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.metadata names (builtins|io)\.open"):
+        _load(tmp_path / "ck")
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.metadata names (builtins|io)\.open"):
+        ckpt.consolidate(tmp_path / "ck", tmp_path / "out.ckpt")
+    assert not marker.exists()
+
+
+def test_payload_in_a_dcp_entry_is_refused(tmp_path):
+    """DCP stores non-tensor values (optimizer param_groups) as torch.save bytes, read by its planners with
+    weights_only=False; the safe planner reads them with weights_only=True."""
+    marker = tmp_path / "ran"
+    _write_checkpoint(tmp_path / "ck", extra_param_group_value=_Payload(marker))
+    with pytest.raises(ckpt.UnsafeCheckpointError, match="checkpoint entry"):
+        ckpt.consolidate(tmp_path / "ck", tmp_path / "out.ckpt")
+    assert not marker.exists()
+
+
+def test_payload_in_a_one_file_checkpoint_is_refused_by_the_strategy(tmp_path):
+    marker = tmp_path / "ran"
+    model = _model()
+    torch.save({"state_dict": {}, "evil": _Payload(marker)}, tmp_path / "one.ckpt")
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=HybridParallelStrategy(),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        with pytest.raises(ckpt.UnsafeCheckpointError, match="ckpt_path.*weights_only=False"):
+            trainer.fit(Module(), [torch.randn(2, 4)], ckpt_path=tmp_path / "one.ckpt")
+    finally:  # the strategy started a one-process group; later unit tests expect none
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert not marker.exists()
