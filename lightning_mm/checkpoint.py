@@ -7,6 +7,13 @@ Layout of a checkpoint directory (what :class:`~lightning_mm.strategies.HybridPa
       meta.pt                     everything else of Lightning's checkpoint dict (loops, epoch, schedulers,
                                   callbacks, hyper-parameters, DataModule state) + "lightning_mm_topology"
       topology.json               the same topology, human-readable
+      COMPLETE                    written last: the files above and their sizes (JSON); a directory without it is
+                                  an interrupted save and is refused
+
+Saves are crash-safe: every rank writes into a hidden sibling ``.NAME.partial``; rank 0 writes ``COMPLETE`` last
+(fsync'd) and then swaps the finished directory into place in one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux;
+elsewhere two renames, see :func:`_publish`), so ``NAME`` is always either the previous complete checkpoint or the
+new complete one, whenever the process is killed.
 
 Loading is safe by default: nothing in a checkpoint is unpickled with plain ``pickle`` or ``torch.load(...,
 weights_only=False)`` unless the caller opts in for a file it trusts (``weights_only=False``). ``meta.pt`` and
@@ -28,10 +35,15 @@ and ``LightningModule.load_from_checkpoint`` reads.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import io
 import json
+import os
 import pathlib
 import pickle
+import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +71,10 @@ from typing_extensions import override
 __all__ = [
     "METADATA_FILE",
     "TOPOLOGY_KEY",
+    "COMPLETE_FILE",
+    "IncompleteCheckpointError",
+    "check_complete",
+    "fsync_path",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
@@ -74,6 +90,7 @@ __all__ = [
 ]
 
 METADATA_FILE = "meta.pt"
+COMPLETE_FILE = "COMPLETE"
 TOPOLOGY_FILE = "topology.json"
 TOPOLOGY_KEY = "lightning_mm_topology"
 MODEL_KEY = "state_dict"
@@ -237,6 +254,120 @@ def _dcp_load(action, path: Path, weights_only: bool | None) -> None:
 # ----------------------------------------------------------------------------------------------- layout
 
 
+class IncompleteCheckpointError(FileNotFoundError):
+    """A checkpoint directory whose save did not finish (no ``COMPLETE`` marker) or whose files changed since."""
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to disk; a no-op where the OS cannot open a directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def _write_complete_marker(directory: Path) -> None:
+    """Make the directory's files durable, then write ``COMPLETE`` (their names and sizes) atomically."""
+    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != COMPLETE_FILE}
+    for name in files:
+        fsync_path(directory / name)
+    tmp = directory / f"{COMPLETE_FILE}.tmp"
+    tmp.write_text(json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True) + "\n")
+    fsync_path(tmp)
+    os.replace(tmp, directory / COMPLETE_FILE)
+    fsync_path(directory)
+
+
+def check_complete(path: str | Path) -> None:
+    """Raise :class:`IncompleteCheckpointError` unless ``path`` is a checkpoint directory whose save finished and
+    whose files still have the sizes they were written with."""
+    path = Path(path)
+    marker = path / COMPLETE_FILE
+    if not marker.is_file():
+        raise IncompleteCheckpointError(
+            f"checkpoint directory {str(path)!r} is incomplete: it has no {COMPLETE_FILE} marker, so the save that "
+            "wrote it did not finish (the process was killed or failed while saving); resume from an earlier "
+            "checkpoint"
+        )
+    try:
+        listed = json.loads(marker.read_text())["files"]
+        expected = {str(name): int(size) for name, size in listed.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise IncompleteCheckpointError(
+            f"checkpoint directory {str(path)!r}: unreadable {COMPLETE_FILE} ({error})"
+        ) from None
+    for name, size in expected.items():
+        file = path / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual != size:
+            found = "missing" if actual is None else f"{actual} bytes"
+            raise IncompleteCheckpointError(
+                f"checkpoint directory {str(path)!r} is damaged: {name} was saved with {size} bytes, now {found}"
+            )
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``, glibc >= 2.28); ``False`` where
+    the OS, libc or file system does not offer it. Python has no binding for it (``os.rename`` cannot replace a
+    non-empty directory), hence ctypes."""
+    if sys.platform != "linux":
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    result = renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(first), None, str(second))
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Put the finished directory ``staging`` at ``final``; the previous ``final`` (if any) stays until then.
+
+    An existing directory is swapped out atomically where the OS can (:func:`_exchange`); elsewhere it is first
+    renamed to ``.NAME.old``, so a crash between the two renames leaves both complete checkpoints on disk
+    (``final`` missing for that instant)."""
+    if final.is_dir() and not final.is_symlink() and _exchange(staging, final):
+        fsync_path(final.parent)
+        shutil.rmtree(staging)  # the previous checkpoint, now under the staging name
+        return
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f".{final.name}.old")
+        _remove(old)
+        os.rename(final, old)
+        os.rename(staging, final)
+        fsync_path(final.parent)
+        _remove(old)
+        return
+    os.rename(staging, final)
+    fsync_path(final.parent)
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def _optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
 
@@ -257,24 +388,36 @@ def save_sharded(
     optimizer_states: Sequence[Mapping[str, Any]],
     metadata: Mapping[str, Any],
 ) -> None:
-    """Write a checkpoint directory; every rank calls this with its own shards.
+    """Write a checkpoint directory, crash-safe; every rank calls this with its own shards.
+
+    Every rank writes into ``.NAME.partial`` beside ``path``; rank 0 then writes ``meta.pt``, ``topology.json``
+    and, last, ``COMPLETE``, and swaps the directory into place (:func:`_publish`). A kill at any point leaves
+    ``path`` as it was (the previous checkpoint, or nothing) or as the new complete checkpoint; a leftover
+    ``.NAME.partial`` is removed by the next save of that name.
 
     Args:
-        path: the directory (created; an existing file of that name is replaced).
+        path: the directory (an existing checkpoint of that name is replaced once the new one is complete).
         model_state: ``get_model_state_dict(model)`` (DTensor shards keyed by unsharded FQNs).
         optimizer_states: ``get_optimizer_state_dict(model, optimizer)`` per optimizer.
         metadata: the rest of the checkpoint; must contain :data:`TOPOLOGY_KEY`. Written by rank 0 only.
     """
-    path = Path(path)
-    if path.is_file():
-        path.unlink()
-    path.mkdir(parents=True, exist_ok=True)
+    final = Path(path)
+    staging = final.with_name(f".{final.name}.partial")
+    if _is_rank_zero():
+        _remove(staging)  # what an interrupted earlier save left
+        staging.mkdir(parents=True)
+    _barrier()
     state: dict[str, Any] = {MODEL_KEY: dict(model_state)}
     state.update({_optimizer_key(i): osd for i, osd in enumerate(optimizer_states)})
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(state, checkpoint_id=staging)  # ends with a collective: every rank's shards are written
     if _is_rank_zero():
-        torch.save(dict(metadata), path / METADATA_FILE)
-        (path / TOPOLOGY_FILE).write_text(json.dumps(metadata.get(TOPOLOGY_KEY, {}), indent=2, sort_keys=True) + "\n")
+        with open(staging / METADATA_FILE, "wb") as file:
+            torch.save(dict(metadata), file)
+        topology = json.dumps(metadata.get(TOPOLOGY_KEY, {}), indent=2, sort_keys=True) + "\n"
+        (staging / TOPOLOGY_FILE).write_text(topology)
+        _write_complete_marker(staging)
+        _publish(staging, final)
+    _barrier()  # every rank returns once the checkpoint is in place
 
 
 def read_topology(path: str | Path, weights_only: bool | None = True) -> dict[str, Any]:
@@ -304,6 +447,7 @@ def load_sharded(
     process group needed) reads the full tensors. Returns the metadata (``meta.pt``).
     """
     path = Path(path)
+    check_complete(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(
             f"{str(path)!r} is not a sharded checkpoint directory (expected .metadata and {METADATA_FILE} inside it)"
@@ -369,6 +513,8 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path, weights_only: bo
     (with ``"consolidated": True``). Returns that topology.
     """
     checkpoint_dir, output = Path(checkpoint_dir), Path(output)
+    if checkpoint_dir.is_dir():
+        check_complete(checkpoint_dir)
     if not is_sharded_checkpoint(checkpoint_dir):
         raise FileNotFoundError(
             f"CKPT_DIR {str(checkpoint_dir)!r} is not a sharded checkpoint directory "

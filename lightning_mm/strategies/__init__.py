@@ -7,9 +7,10 @@ Importing this package registers ``HybridParallelStrategy`` in Lightning's strat
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_mm.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_mm.strategies.hybrid import HybridParallelStrategy
 
-__all__ = ["HybridParallelStrategy"]
+__all__ = ["AtomicCheckpointIO", "HybridParallelStrategy"]
 
 if HybridParallelStrategy.strategy_name not in StrategyRegistry:
     StrategyRegistry.register(

@@ -4,10 +4,16 @@ moves them breaks here, with a clear import error, and nowhere else."""
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol as is_local_file_protocol
 from lightning.fabric.utilities.init import _materialize_distributed_module as materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 
-__all__ = ["materialize_distributed_module", "optimizers_to_device", "skip_lightning_backward"]
+__all__ = [
+    "is_local_file_protocol",
+    "materialize_distributed_module",
+    "optimizers_to_device",
+    "skip_lightning_backward",
+]
 
 
 def skip_lightning_backward(trainer: pl.Trainer, skip: bool) -> None:

@@ -68,6 +68,7 @@ from lightning_mm.strategies._compat import (
     optimizers_to_device,
     skip_lightning_backward,
 )
+from lightning_mm.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
 from lightning_mm.strategies.precision import with_mesh_clipping
 
@@ -183,6 +184,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        # One-file checkpoints written atomically (a checkpoint_io plugin given to the Trainer still wins).
+        self._checkpoint_io = AtomicCheckpointIO()
         # Validate what can be validated without the world size (the degrees' types and ranges), so a typo in a
         # config fails at construction rather than after processes have started.
         shard_for_check = 1 if data_parallel_shard in ("auto", -1) else data_parallel_shard
@@ -709,10 +712,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         :class:`~lightning_mm.checkpoint.UnsafeCheckpointError` before anything is unpickled."""
         path = Path(self.broadcast(checkpoint_path))
         strict = self.lightning_module.strict_loading
-        if not ckpt.is_sharded_checkpoint(path):
-            if path.is_file():
-                return self._load_full_checkpoint(path, strict, weights_only)
+        if path.is_file():
+            return self._load_full_checkpoint(path, strict, weights_only)
+        if not path.is_dir():
             raise FileNotFoundError(f"ckpt_path {str(path)!r} is neither a sharded checkpoint directory nor a file")
+        ckpt.check_complete(path)  # an interrupted save is refused, naming the directory
         saved = ckpt.read_topology(path, weights_only=weights_only)
         self._check_expert_layout(saved or {}, path)
         now = self.topology()

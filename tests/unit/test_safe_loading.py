@@ -46,6 +46,13 @@ def _write_checkpoint(path: Path, extra_param_group_value=None) -> nn.Module:
     return model
 
 
+def _reseal(directory: Path) -> None:
+    """A crafted checkpoint comes with a matching COMPLETE marker (the marker guards against torn saves, not
+    against an attacker)."""
+    (directory / ckpt.COMPLETE_FILE).unlink()
+    ckpt._write_complete_marker(directory)
+
+
 def _load(path: Path, weights_only=True) -> dict:
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -69,6 +76,7 @@ def test_payload_in_meta_pt_is_refused(tmp_path):
     _write_checkpoint(tmp_path / "ck")
     torch.save({ckpt.TOPOLOGY_KEY: {}, "evil": _Payload(marker)}, tmp_path / "ck" / ckpt.METADATA_FILE)
     (tmp_path / "ck" / "topology.json").unlink()  # read_topology falls back to meta.pt
+    _reseal(tmp_path / "ck")
     for attempt in (
         lambda: _load(tmp_path / "ck"),
         lambda: ckpt.read_topology(tmp_path / "ck"),
@@ -86,6 +94,7 @@ def test_payload_in_dcp_metadata_is_refused(tmp_path):
     marker = tmp_path / "ran"
     _write_checkpoint(tmp_path / "ck")
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _reseal(tmp_path / "ck")
     with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.metadata names (builtins|io)\.open"):
         _load(tmp_path / "ck")
     with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.metadata names (builtins|io)\.open"):

@@ -1,0 +1,44 @@
+"""``AtomicCheckpointIO``: one-file checkpoints that a crash cannot leave half-written.
+
+Lightning's ``TorchCheckpointIO`` writes through an fsspec transaction, which for a local path writes a temporary
+file under ``tempfile.gettempdir()`` and moves it into place on commit: when that directory is on another file system
+than the checkpoint, the move is a copy into the destination, and a kill during the copy leaves a torn
+``last.ckpt`` in place of the previous good one. This plugin writes the temporary file beside the destination
+(``.NAME.partial``), fsyncs it, renames it over the destination (atomic within one file system) and fsyncs the
+directory. ``HybridParallelStrategy`` uses it for its one-file checkpoints; any other strategy can take it with
+``Trainer(plugins=[AtomicCheckpointIO()])``. Remote (fsspec URL) paths keep Lightning's behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+from lightning_mm.checkpoint import fsync_path
+from lightning_mm.strategies._compat import is_local_file_protocol
+
+__all__ = ["AtomicCheckpointIO"]
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose local saves are atomic and durable (module docstring)."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        with open(partial, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+        fsync_path(path.parent)
+        return None
