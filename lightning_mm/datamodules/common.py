@@ -88,11 +88,31 @@ class EpochAwareLoader(DataLoader):
     Persistent workers would keep their first copy, hence they are not offered.
     """
 
-    def __init__(self, dataset: IterableDataset, epoch_fn: Callable[[], Any], num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        epoch_fn: Callable[[], Any],
+        num_workers: int = 0,
+        on_batch: Callable[[Any], None] | None = None,
+        on_exhausted: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(dataset, batch_size=None, num_workers=num_workers)
         self._epoch_fn = epoch_fn
+        self._on_batch, self._on_exhausted = on_batch, on_exhausted
 
     def __iter__(self):
         state = self._epoch_fn()
         self.dataset.set_epoch(*(state if isinstance(state, tuple) else (state,)))
-        return super().__iter__()
+        if self._on_batch is None and self._on_exhausted is None:
+            return super().__iter__()
+        return self._with_hooks(super().__iter__())
+
+    def _with_hooks(self, iterator):
+        # Both run in the main process as batches are fetched: `on_batch` for each one (before Lightning's
+        # prefetching looks past it), `on_exhausted` once a pass has yielded its last batch.
+        for batch in iterator:
+            if self._on_batch is not None:
+                self._on_batch(batch)
+            yield batch
+        if self._on_exhausted is not None:
+            self._on_exhausted()

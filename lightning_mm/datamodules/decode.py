@@ -180,6 +180,33 @@ class ErrorLog:
                 raise ValueError(f"counts: count of {kind!r} must be an int >= 0, got {count!r}")
             self.counts[kind] += count
 
+    def merge_examples(self, examples: dict[str, str]) -> None:
+        """Keep the first example message of each kind (e.g. from a worker's ``ErrorLog.examples``)."""
+        for kind, message in examples.items():
+            self.examples.setdefault(kind, message)
+
+    @property
+    def skipped(self) -> int:
+        """Samples (or damaged shard rests) dropped so far: the sum of the error kinds."""
+        return sum(self.counts[kind] for kind in ERROR_KINDS)
+
+    def summary(self, what: str, total: int | None = None, since: dict[str, int] | None = None) -> str:
+        """One paragraph for the console: how many were skipped (since the ``since`` counts, e.g. a snapshot taken at
+        the start of an epoch) of ``total``, by kind with an example each, and the notices."""
+        counts = {kind: count - (since or {}).get(kind, 0) for kind, count in self.counts.items()}
+        skipped = sum(counts[kind] for kind in ERROR_KINDS)
+        share = f" ({100 * skipped / total:.2f} %)" if total else ""
+        head = f"{what}: skipped {skipped}" + (f" of {total} samples{share}" if total is not None else " samples")
+        parts = [head]
+        for kind in ERROR_KINDS:
+            if counts[kind]:
+                example = self.examples.get(kind)
+                parts.append(f"  {kind}: {counts[kind]}" + (f" (e.g. {example})" if example else ""))
+        notices = ", ".join(f"{kind} {counts[kind]}" for kind in NOTICE_KINDS if counts[kind])
+        if notices:
+            parts.append(f"  notices (kept): {notices}")
+        return "\n".join(parts)
+
     def __repr__(self) -> str:
         nonzero = {kind: count for kind, count in self.counts.items() if count}
         return f"ErrorLog(on_error={self.on_error!r}, counts={nonzero})"

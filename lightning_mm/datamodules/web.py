@@ -35,8 +35,13 @@ Remote URLs (``pipe:``, ``http://``, ``s3://``) are not supported: planning need
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
 import random
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -47,6 +52,7 @@ from lightning_mm.batch import IGNORE_INDEX, PAD_SEGMENT, MultimodalBatch
 from lightning_mm.datamodules.common import EpochAwareLoader, data_parallel_rank_and_size, expand_urls, load_manifest
 from lightning_mm.datamodules.decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
+    ERROR_KINDS,
     IMAGE_KEYS,
     TEXT_KEYS,
     ErrorLog,
@@ -66,6 +72,15 @@ from lightning_mm.datamodules.stages import (
 )
 
 __all__ = ["ImageTextWebDataModule", "EpochPlan"]
+
+log = logging.getLogger(__name__)
+
+
+def _print(message: str) -> None:
+    """The data accounting goes to stderr unconditionally (not through a logger a user may have silenced): a run
+    that trains on less data than asked must say so."""
+    print(message, file=sys.stderr, flush=True)
+
 
 Regroup = Literal["none", "bucket", "pack"]
 
@@ -184,6 +199,7 @@ class _PlannedSplit(IterableDataset):
             batch = self._load(plan.batches[position], plan.max_segments_per_row, errors)
             # Counts travel with the batch to the main process (read in on_before_batch_transfer).
             batch.data_errors = {kind: count for kind, count in errors.counts.items() if count}
+            batch.data_error_examples = dict(errors.examples)
             errors.counts = dict.fromkeys(errors.counts, 0)
             yield batch
 
@@ -281,6 +297,16 @@ class ImageTextWebDataModule(L.LightningDataModule):
             pair is scored.
         max_image_pixels: images whose header declares more pixels are skipped and counted as
             ``image_too_large`` before any pixel is decoded (default 8192 x 8192; None: PIL's own limit only).
+        max_skipped_fraction: the run fails, printing the skip summary, when more than this fraction of a split's
+            samples is skipped as bad (at indexing, or when decoding an epoch); 0 fails on any skip, 1 never.
+        require_images: fail when the image keys match no file of the first shard (the run would otherwise train
+            on text alone without a word); set False for a deliberately text-only dataset.
+        allow_replan: on resume, a checkpoint taken with other shards or other batching settings is refused (its
+            position counts batches of a different plan); True restarts that epoch with the new plan instead
+            (samples of the epoch seen before the checkpoint are then seen again), with a warning.
+
+    Every skipped sample is counted by kind and printed: after indexing each split, at the end of every epoch
+    and when the run ends (with an example shard / key per kind), whatever callbacks are present.
     """
 
     def __init__(
@@ -307,9 +333,14 @@ class ImageTextWebDataModule(L.LightningDataModule):
         val_batch_size: int | None = None,
         epoch_policy: Literal["drop", "pad"] = "drop",
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+        max_skipped_fraction: float = 0.01,
+        require_images: bool = True,
+        allow_replan: bool = False,
     ) -> None:
         super().__init__()
         check_image_pixels(max_image_pixels)
+        if isinstance(max_skipped_fraction, bool) or not 0 <= max_skipped_fraction <= 1:
+            raise ValueError(f"max_skipped_fraction must be in [0, 1], got {max_skipped_fraction!r}")
         if regroup not in ("none", "bucket", "pack"):
             raise ValueError(f"regroup must be one of 'none', 'bucket', 'pack', got {regroup!r}")
         if epoch_policy not in ("drop", "pad"):
@@ -348,6 +379,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self.patch_size = patch_size
         self.max_patches_per_image = max_patches_per_image
         self.error_log = ErrorLog(on_error)
+        self._pass: dict[str, Any] = {"loaded": 0, "since": dict(self.error_log.counts)}
         self._tokenizer: TextTokenizer | None = None
         self._splits: dict[str, tuple[list[SampleRecord], list[tuple[int, int]]]] = {}
         self._consumed = {"epoch": 0, "batches": 0}
@@ -384,9 +416,16 @@ class ImageTextWebDataModule(L.LightningDataModule):
                             f"{split}_urls: {url!r} is remote; ImageTextWebDataModule plans batches "
                             "from an index and needs local (or mounted) shards"
                         )
-            return {
-                split: expand_urls(value, f"{split}_urls", must_exist=False) for split, value in urls.items()
-            }, hp.tokenizer
+            expanded = {split: expand_urls(value, f"{split}_urls", must_exist=False) for split, value in urls.items()}
+            for split, listed in expanded.items():
+                missing = [url for url in listed if not Path(url).is_file()]
+                if missing:
+                    # A listed shard that is not there would silently shrink the data, whatever on_error says.
+                    raise FileNotFoundError(
+                        f"{split}_urls: {len(missing)} of {len(listed)} listed shard(s) missing: {missing[:5]}"
+                        + (" ..." if len(missing) > 5 else "")
+                    )
+            return expanded, hp.tokenizer
         dataset = load_manifest(hp.data_dir, hp.synthetic_preset)
         return dataset.shards, hp.tokenizer or dataset.tokenizer
 
@@ -397,11 +436,20 @@ class ImageTextWebDataModule(L.LightningDataModule):
         hp = self.hparams
         image_keys = tuple(hp.image_keys or IMAGE_KEYS)
         text_keys = tuple(hp.text_keys or TEXT_KEYS)
-        records = [
-            r
-            for url in shards[split]
-            for r in index_shard(url, self.error_log, image_keys, text_keys, self.hparams.max_image_pixels)
-        ]
+        since = dict(self.error_log.counts)
+        records: list[SampleRecord] = []
+        for position, url in enumerate(shards[split]):
+            found = index_shard(url, self.error_log, image_keys, text_keys, hp.max_image_pixels)
+            if position == 0 and found and hp.require_images and not any(r.image_key for r in found):
+                extensions = sorted({ext for r in found for ext in r.files})
+                raise ValueError(
+                    f"image_keys={list(image_keys)} match no file of the {len(found)} samples of the first {split} "
+                    f"shard {url!r}, whose samples hold {extensions}: the run would train on text alone. Set "
+                    "image_keys to the image extension, or require_images=False for a text-only dataset"
+                )
+            records.extend(found)
+        skipped = self.error_log.skipped - sum(since[kind] for kind in ERROR_KINDS)
+        self._report(f"data ({split}, indexed)", skipped, len(records) + skipped, since)
         if not records:
             raise ValueError(
                 f"{split}_urls: no valid sample in {len(shards[split])} shard(s); error counts: {self.error_log.counts}"
@@ -420,6 +468,55 @@ class ImageTextWebDataModule(L.LightningDataModule):
             lengths.append((rows * cols, min(len(encoding.ids) + 2, hp.max_text_tokens)))
         self._splits[split] = (records, lengths)
         return self._splits[split]
+
+    # ------------------------------------------------------------------------------------ accounting
+
+    def _report(self, what: str, skipped: int, total: int, since: dict[str, int], rank_zero: bool = True) -> None:
+        """Print the skip summary (rank 0, or every rank that skipped something) and fail over the threshold."""
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        if rank == 0 or (skipped and not rank_zero):
+            prefix = "" if rank == 0 else f"rank {rank}: "
+            _print(prefix + self.error_log.summary(what, total, since))
+        if total and skipped / total > self.hparams.max_skipped_fraction:
+            raise ValueError(
+                f"{what}: {skipped} of {total} samples ({100 * skipped / total:.2f} %) were skipped as bad, more "
+                f"than max_skipped_fraction={self.hparams.max_skipped_fraction}; by kind: "
+                f"{ {k: c for k, c in self.error_log.counts.items() if c} }. Fix the data, or raise "
+                "max_skipped_fraction to accept training on less data"
+            )
+
+    def _count_batch(self, batch: MultimodalBatch) -> None:
+        """Each fetched batch (main process): its workers' error counts and examples, its samples."""
+        counts = getattr(batch, "data_errors", None)
+        if counts:
+            self.error_log.merge(counts)
+            self.error_log.merge_examples(getattr(batch, "data_error_examples", {}))
+        self._pass["loaded"] += batch.num_samples
+
+    def _start_pass(self) -> None:
+        self._pass = {"loaded": 0, "since": dict(self.error_log.counts)}
+
+    def _end_pass(self, split: str) -> None:
+        since = self._pass["since"]
+        skipped = self.error_log.skipped - sum(since[kind] for kind in ERROR_KINDS)
+        what = f"data ({split}, epoch {self._current_epoch()})"
+        self._report(what, skipped, self._pass["loaded"] + skipped, since, rank_zero=False)
+
+    def teardown(self, stage: str) -> None:
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        if rank == 0:  # the whole run, indexing and every pass (this rank's decode-time skips)
+            _print(self.error_log.summary(f"data (end of {getattr(stage, 'value', stage)})"))
+
+    @staticmethod
+    def _digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """What the saved stream position depends on: the train shards (names and sizes) and the plan settings."""
+        shards, _ = self._sources()
+        listing = [[Path(u).name, Path(u).stat().st_size if Path(u).is_file() else -1] for u in shards["train"]]
+        plan = self.regroup_config()
+        return {"shards": self._digest(listing), "plan": self._digest(plan), "plan_config": plan}
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -457,7 +554,18 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 f"{split}: {len(records)} samples give no batch for each of {world} data-parallel "
                 f"rank(s); lower batch_size / the budgets, or use fewer ranks"
             )
-        return EpochAwareLoader(dataset, epoch_fn, num_workers=self.hparams.num_workers)
+
+        def start(_epoch_fn=epoch_fn):
+            self._start_pass()
+            return _epoch_fn()
+
+        return EpochAwareLoader(
+            dataset,
+            start,
+            num_workers=self.hparams.num_workers,
+            on_batch=self._count_batch,
+            on_exhausted=lambda: self._end_pass(split),
+        )
 
     def _train_epoch_and_skip(self) -> tuple[int, int]:
         """Epoch to plan and batches to skip, asked each time the train loader is iterated.
@@ -484,9 +592,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------------------------ state
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        counts = getattr(batch, "data_errors", None)
-        if counts:
-            self.error_log.merge(counts)
+        # (error counts were merged when the batch was fetched: EpochAwareLoader's on_batch)
         if self.trainer is not None and self.trainer.training:
             self._consumed["batches"] += 1
         return batch
@@ -498,6 +604,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             "batches": self._consumed["batches"],
             "seed": self.hparams.seed,
             "errors": dict(self.error_log.counts),
+            "fingerprint": self._fingerprint(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -507,5 +614,32 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 f"{self.hparams.seed}; resuming would not replay the same batches"
             )
         self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"])}
+        saved = state_dict.get("fingerprint")
+        if saved is not None:
+            now = self._fingerprint()
+            reasons = []
+            if saved["shards"] != now["shards"]:
+                reasons.append("the train shards (names and sizes) differ from the checkpoint's")
+            if saved["plan"] != now["plan"]:
+                changed = sorted(
+                    k
+                    for k in {**saved["plan_config"], **now["plan_config"]}
+                    if saved["plan_config"].get(k) != now["plan_config"].get(k)
+                )
+                reasons.append(f"batching settings changed: {changed}")
+            if reasons:
+                if not self.hparams.allow_replan:
+                    raise ValueError(
+                        f"resuming the data stream: {'; '.join(reasons)}, so the saved position "
+                        f"({self._resume['batches']} batches into epoch {self._resume['epoch']}) counts batches of "
+                        "another plan. Use the same shards and settings, or allow_replan=True to restart that "
+                        "epoch with the new plan (its samples seen before the checkpoint are then seen again)"
+                    )
+                log.warning(
+                    "resuming with a new data plan (%s): epoch %d restarts from its first batch",
+                    "; ".join(reasons),
+                    self._resume["epoch"],
+                )
+                self._resume["batches"] = 0
         self.error_log.counts = dict.fromkeys(self.error_log.counts, 0)
         self.error_log.merge(state_dict.get("errors", {}))

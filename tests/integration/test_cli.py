@@ -23,9 +23,9 @@ CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 
 def _run_fit(
     tmp_path: Path, config: str, *overrides: str, env: dict[str, str] | None = None, timeout: int = 300
-) -> None:
+) -> subprocess.CompletedProcess:
     """``lightning-mm fit --config examples/configs/<config>`` in a real process, writing under ``tmp_path``."""
-    subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -95,7 +95,10 @@ def test_fit_tiny_end_to_end_logs_to_offline_wandb(tmp_path):
     # A real process, as a user runs it: W&B writes its run file completely only at process exit.
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
     env["NETRC"] = str(tmp_path / "no-netrc")  # no key configured -> the CLI must choose offline
-    _run_fit(tmp_path, "tiny.yaml", env=env)
+    result = _run_fit(tmp_path, "tiny.yaml", env=env)
+    # The data accounting is printed on a normal run too (nothing skipped on the embedded data).
+    for line in ("data (train, indexed): skipped 0 of", "data (val, indexed): skipped 0 of", "data (end of fit)"):
+        assert line in result.stderr.decode(), line
     runs = find_offline_runs(tmp_path)
     assert len(runs) == 1
     history = read_offline_history(runs[0])

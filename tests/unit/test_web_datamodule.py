@@ -127,25 +127,62 @@ def test_workers_give_the_plan_order(shards):
     assert plain == workers
 
 
-def test_corrupt_image_is_skipped_counted_or_raised(tmp_path, shards):
+def test_corrupt_image_is_skipped_counted_or_raised(tmp_path, shards, capsys):
     _write_shard(tmp_path / "bad-000000.tar", 0, 20, corrupt={4, 11})
     urls = str(tmp_path / "bad-000000.tar")
-    dm = _dm(shards, train_urls=urls, regroup="none", batch_size=4)
-    batches = _batches(dm, 0, 1)
-    for batch in batches:
-        dm.on_before_batch_transfer(batch, 0)
+    dm = _dm(shards, train_urls=urls, regroup="none", batch_size=4, max_skipped_fraction=0.2)
+    batches = _batches(dm, 0, 1)  # the loader merges the workers' counts as batches are fetched
     ids = [i for b in batches for i in b.sample_ids[b.sample_ids >= 0].tolist()]
     assert len(ids) == 18 and dm.error_log.counts["image_corrupt"] == 2
+    # The epoch's summary is printed, with an example shard and key.
+    printed = capsys.readouterr().err
+    assert "data (train, indexed): skipped 0 of 20 samples" in printed
+    assert "data (train, epoch 0): skipped 2 of 20 samples (10.00 %)" in printed and "s000004" in printed
     with pytest.raises(ValueError, match=r"image_corrupt.*bad-000000\.tar.*s000004"):
         _batches(_dm(shards, train_urls=urls, regroup="none", batch_size=4, on_error="raise"), 0, 1)
+    # 10 % skipped is more than the default max_skipped_fraction (1 %): the epoch fails, saying so.
+    with pytest.raises(ValueError, match=r"2 of 20 samples \(10\.00 %\).*max_skipped_fraction=0\.01"):
+        _batches(_dm(shards, train_urls=urls, regroup="none", batch_size=4), 0, 1)
 
 
-def test_missing_shard_follows_the_policy(shards, tmp_path):
+def test_missing_shard_fails_naming_it_whatever_the_policy(shards, tmp_path):
     urls = [shards.train, str(tmp_path / "missing.tar")]
-    dm = _dm(shards, train_urls=urls)
-    assert _batches(dm, 0, 1) and dm.error_log.counts["shard_missing"] == 1
-    with pytest.raises(ValueError, match="shard_missing"):
-        _batches(_dm(shards, train_urls=urls, on_error="raise"), 0, 1)
+    for policy in ("skip", "raise"):
+        with pytest.raises(FileNotFoundError, match=r"train_urls: 1 of 6 listed shard\(s\) missing.*missing\.tar"):
+            _batches(_dm(shards, train_urls=urls, on_error=policy), 0, 1)
+
+
+def test_image_keys_matching_nothing_fail_instead_of_training_on_text(shards):
+    with pytest.raises(ValueError, match=r"image_keys=\['jpg'\] match no file.*\['png', 'txt'\]"):
+        _batches(_dm(shards, image_keys=["jpg"]), 0, 1)
+    text_only = _dm(shards, image_keys=["jpg"], require_images=False)
+    assert all(int(b.has_image.sum()) == 0 for b in _batches(text_only, 0, 1))
+
+
+def test_index_time_skips_over_the_threshold_fail_with_the_summary(tmp_path, shards):
+    _write_shard(tmp_path / "ok-000000.tar", 0, 20)
+    with open(tmp_path / "ok-000000.tar", "rb") as file:
+        data = bytearray(file.read())
+    # Corrupt one PNG header: an "image_unreadable" sample, found while indexing.
+    position = data.find(b"\x89PNG")
+    data[position : position + 8] = b"NOTAPNG!"
+    (tmp_path / "bad-000000.tar").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"data \(train, indexed\): 1 of 20 samples \(5\.00 %\)"):
+        _batches(_dm(shards, train_urls=str(tmp_path / "bad-000000.tar")), 0, 1)
+    assert _batches(_dm(shards, train_urls=str(tmp_path / "bad-000000.tar"), max_skipped_fraction=0.1), 0, 1)
+
+
+def test_resume_with_other_shards_or_plan_is_refused_or_replanned(shards):
+    state = _dm(shards).state_dict()
+    _dm(shards).load_state_dict(state)  # same shards and settings: fine
+    with pytest.raises(ValueError, match=r"batching settings changed: \[.*'rows_per_batch'\]"):
+        _dm(shards, rows_per_batch=2).load_state_dict(state)
+    fewer = shards.train.replace("000004", "000003")
+    with pytest.raises(ValueError, match="train shards .* differ"):
+        _dm(shards, train_urls=fewer).load_state_dict(state)
+    replanned = _dm(shards, rows_per_batch=2, allow_replan=True)
+    replanned.load_state_dict({**state, "batches": 3})
+    assert replanned._resume == {"epoch": 0, "batches": 0}
 
 
 def test_argument_errors_name_the_argument(shards):
