@@ -5,6 +5,7 @@ from lightning_mm.callbacks.compression import CompressedAllToAll
 from lightning_mm.callbacks.gradient_consistency import GradientConsistencyCheck, GradientMismatchError
 from lightning_mm.callbacks.padding_stats import PaddingStats
 from lightning_mm.callbacks.pipeline_timeline import PipelineTimeline
+from lightning_mm.callbacks.preemption import Preempted, PreemptionCheckpoint
 from lightning_mm.callbacks.rank_watchdog import RankWatchdog
 
 __all__ = [
@@ -15,5 +16,7 @@ __all__ = [
     "GradientMismatchError",
     "PaddingStats",
     "PipelineTimeline",
+    "Preempted",
+    "PreemptionCheckpoint",
     "RankWatchdog",
 ]

@@ -115,6 +115,20 @@ def _run(name: str, root: str) -> dict:
         killed = _run("killed", root)
         result = _launch(root_path / "killed", root_path / "killed_ckpt")  # same directories: resumes
         result["checkpoints_before"] = killed["checkpoints"]
+    elif name == "preempted":
+        result = _launch(
+            root_path / "preempted",
+            root_path / "preempted_ckpt",
+            "--kill-step",
+            str(KILL_STEP),
+            "--kill-signal",
+            "TERM",
+            timeout=85,
+        )
+    elif name == "preempted_resumed":
+        preempted = _run("preempted", root)
+        result = _launch(root_path / "preempted", root_path / "preempted_ckpt")
+        result["checkpoints_before"] = preempted["checkpoints"]
     elif name == "uninterrupted":
         result = _launch(root_path / "uninterrupted", root_path / "uninterrupted_ckpt")
     else:  # frozen
@@ -132,7 +146,8 @@ def _run(name: str, root: str) -> dict:
             wait_for=(0,),
             timeout=85,
         )
-    ckpt_dir = root_path / f"{'killed' if name == 'resumed' else name}_ckpt"
+    base = {"resumed": "killed", "preempted_resumed": "preempted"}.get(name, name)
+    ckpt_dir = root_path / f"{base}_ckpt"
     result["checkpoints"] = sorted(p.name for p in ckpt_dir.iterdir()) if ckpt_dir.exists() else []
     result["last_target"] = os.readlink(ckpt_dir / "last.ckpt") if (ckpt_dir / "last.ckpt").is_symlink() else None
     return result
@@ -194,3 +209,21 @@ def test_resume_after_kill_is_exact(root):
         after = records[KILL_STEP:]
         assert [r["step"] for r in after] == list(range(newest, STEPS))  # resumed at the last checkpoint
         assert after == full[newest:]  # same losses, bit for bit, and the same samples in the same order
+
+
+def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(root):
+    """SIGTERM to one rank (rank 1) at the start of a step: both ranks finish that step, save ``last.ckpt``
+    together, exit non-zero saying so; resuming continues the uninterrupted run's losses bit for bit."""
+    run = _run("preempted", root)
+    assert run["codes"][0] not in (0, None) and run["codes"][1] not in (0, None)
+    for output in run["output"]:
+        assert "preempted: SIGTERM received on rank(s) [1]" in output and "last.ckpt" in output
+    resumed = _run("preempted_resumed", root)
+    assert resumed["codes"] == [0, 0]
+    assert _run("uninterrupted", root)["codes"] == [0, 0]
+    full = [_records(Path(root) / "uninterrupted", rank) for rank in range(2)]
+    for rank in range(2):
+        records = _records(Path(root) / "preempted", rank)  # the preempted run's steps, then the resumed run's
+        # The step during which the signal arrived finished (and was checkpointed); nothing is repeated.
+        assert [r["step"] for r in records] == list(range(STEPS))
+        assert records == full[rank]

@@ -7,7 +7,8 @@ The tiny VLM on the tiny embedded web dataset (``ImageTextWebDataModule``, packe
 ``BadBatchGuard``, always started with ``ckpt_path="last"`` (a fresh start when no checkpoint exists yet, as in the
 torchrun elastic recipe of docs/reliability.md). Every finished step appends ``{"step", "loss", "ids"}`` to
 ``OUT/rank<r>.jsonl`` (flushed, so a killed run keeps what it did); ``--kill-step`` makes ``--kill-rank`` send itself
-``--kill-signal`` at the start of that step, after writing the time to ``OUT/killed.json``.
+``--kill-signal`` at the start of that step, after writing the time to ``OUT/killed.json``. With ``TERM``,
+``PreemptionCheckpoint`` saves ``last.ckpt`` on both ranks at the end of that step and both exit non-zero.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_mm.callbacks import BadBatchGuard, RankWatchdog
+from lightning_mm.callbacks import BadBatchGuard, PreemptionCheckpoint, RankWatchdog
 from lightning_mm.datamodules import ImageTextWebDataModule
 from lightning_mm.models import VLMModule
 from lightning_mm.strategies import HybridParallelStrategy
@@ -69,7 +70,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--kill-step", type=int, default=None)
     parser.add_argument("--kill-rank", type=int, default=1)
-    parser.add_argument("--kill-signal", choices=["KILL", "STOP"], default="KILL")
+    parser.add_argument("--kill-signal", choices=["KILL", "STOP", "TERM"], default="KILL")
     parser.add_argument("--peer-timeout", type=float, default=60.0)
     args = parser.parse_args()
     torch.set_num_threads(1)  # two ranks share two cores; also one fixed reduction order
@@ -90,6 +91,7 @@ def main() -> None:
             save_last="link",
         ),
         RankWatchdog(heartbeat_interval=0.5, peer_timeout=args.peer_timeout, grace=2.0),
+        PreemptionCheckpoint(),
         BadBatchGuard(),
         _Record(out / f"rank{rank}.jsonl"),
         _Kill(args.kill_step, args.kill_rank, getattr(signal, f"SIG{args.kill_signal}"), out),
