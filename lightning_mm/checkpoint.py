@@ -72,6 +72,7 @@ __all__ = [
     "METADATA_FILE",
     "TOPOLOGY_KEY",
     "COMPLETE_FILE",
+    "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "check_complete",
     "fsync_path",
@@ -103,6 +104,10 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint file holds objects whose unpickling could run code; it was not loaded."""
 
 
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file is damaged or cut off (not a refusal for safety: it cannot be read at all)."""
+
+
 _OPT_IN = (
     "if you trust the file (you wrote it yourself), load it with weights_only=False (Trainer.fit(..., "
     "weights_only=False), HybridParallelStrategy.load_checkpoint(..., weights_only=False)), or allow the classes "
@@ -123,13 +128,20 @@ def safe_load(path: str | Path | io.BytesIO, what: str, weights_only: bool | Non
         return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as error:
         reason = str(error).strip().splitlines()
-        detail = next(
-            (line for line in reason if "GLOBAL" in line or "Unsupported" in line), reason[0] if reason else ""
-        )
+        detail = next((line for line in reason if "GLOBAL" in line or "Unsupported" in line), None)
+        if detail is None:  # not a refused object: a damaged file (e.g. "invalid load key")
+            raise CorruptCheckpointError(f"{what} is corrupt or truncated and cannot be read ({error})") from error
         raise UnsafeCheckpointError(
             f"refusing to load {what}: it holds objects that torch.load(weights_only=True) does not admit "
             f"({detail.strip()}), and unpickling them could run arbitrary code; {_OPT_IN}"
         ) from None
+    except (EOFError, RuntimeError) as error:
+        # torch raises EOFError for an empty / cut-off legacy file, RuntimeError for a damaged (or not a) zip
+        # container; any other RuntimeError is not about the file and propagates as it is.
+        damaged = ("zip archive", "PytorchStreamReader", "mmap can only be used", "magic number", "EOF")
+        if isinstance(error, RuntimeError) and not any(sign in str(error) for sign in damaged):
+            raise
+        raise CorruptCheckpointError(f"{what} is corrupt or truncated and cannot be read ({error})") from error
 
 
 def _dcp_metadata_class(module: str, name: str) -> Any | None:
@@ -193,6 +205,14 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = _DCPMetadataUnpickler(metadata_file, str(path)).load()
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{path} is not DCP metadata (it unpickles to {type(metadata).__name__})")
+        # Shard files must lie inside the checkpoint: a crafted relative_path ("../..", "/etc/...") would read any
+        # torch-serialised file of the machine into the model.
+        for info in (metadata.storage_data or {}).values():
+            relative = str(getattr(info, "relative_path", ""))
+            if not relative or relative != Path(relative).name or relative in (".", ".."):
+                raise UnsafeCheckpointError(
+                    f"refusing to load {path}: it points a shard at {relative!r}, outside the checkpoint directory"
+                )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -259,15 +279,20 @@ class IncompleteCheckpointError(FileNotFoundError):
 
 
 def fsync_path(path: Path) -> None:
-    """Flush a file's (or a directory's entries') data to disk; a no-op where the OS cannot open a directory."""
+    """Flush a file's (or a directory's entries') data to disk. An I/O error on a file is raised (the COMPLETE marker
+    must not vouch for data that did not reach the disk); a directory the OS cannot open or sync is skipped."""
+    is_dir = Path(path).is_dir()
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return
+        if is_dir:
+            return
+        raise
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as error:
+        if not (is_dir and error.errno in (errno.EINVAL, errno.EBADF, errno.ENOTSUP)):
+            raise
     finally:
         os.close(fd)
 
@@ -363,9 +388,22 @@ def _publish(staging: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _on_rank_zero(step, what: str) -> None:
+    """Run ``step()`` on rank 0 while the others wait; a failure there is raised on every rank (instead of the
+    others waiting in the next collective until the timeout)."""
+    error: BaseException | None = None
+    if _is_rank_zero():
+        try:
+            step()
+        except Exception as caught:
+            error = caught
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        status = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(status, src=0)
+        if status[0] is not None and error is None:
+            raise RuntimeError(f"checkpoint save failed on rank 0 while {what}: {status[0]}")
+    if error is not None:
+        raise error
 
 
 def _optimizer_key(index: int) -> str:
@@ -403,21 +441,24 @@ def save_sharded(
     """
     final = Path(path)
     staging = final.with_name(f".{final.name}.partial")
-    if _is_rank_zero():
+
+    def prepare() -> None:
         _remove(staging)  # what an interrupted earlier save left
         staging.mkdir(parents=True)
-    _barrier()
-    state: dict[str, Any] = {MODEL_KEY: dict(model_state)}
-    state.update({_optimizer_key(i): osd for i, osd in enumerate(optimizer_states)})
-    dcp.save(state, checkpoint_id=staging)  # ends with a collective: every rank's shards are written
-    if _is_rank_zero():
+
+    def finish() -> None:
         with open(staging / METADATA_FILE, "wb") as file:
             torch.save(dict(metadata), file)
         topology = json.dumps(metadata.get(TOPOLOGY_KEY, {}), indent=2, sort_keys=True) + "\n"
         (staging / TOPOLOGY_FILE).write_text(topology)
         _write_complete_marker(staging)
         _publish(staging, final)
-    _barrier()  # every rank returns once the checkpoint is in place
+
+    _on_rank_zero(prepare, f"preparing {staging}")
+    state: dict[str, Any] = {MODEL_KEY: dict(model_state)}
+    state.update({_optimizer_key(i): osd for i, osd in enumerate(optimizer_states)})
+    dcp.save(state, checkpoint_id=staging)  # ends with a collective: every rank's shards are written
+    _on_rank_zero(finish, f"finishing {final}")  # every rank returns once the checkpoint is in place
 
 
 def read_topology(path: str | Path, weights_only: bool | None = True) -> dict[str, Any]:

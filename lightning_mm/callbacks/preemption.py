@@ -61,6 +61,7 @@ class PreemptionCheckpoint(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After Lightning registered its own SIGTERM handler (at the start of fit): this one replaces it for the
         # training loop and the previous ones come back at the end.
+        self.received, self._stop = 0, None  # a fresh fit (a callback object may serve several)
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handler)
 
@@ -83,7 +84,7 @@ class PreemptionCheckpoint(L.Callback):
             return self.path
         checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint) and c.dirpath), None)
         if checkpoint is not None:
-            return Path(checkpoint.dirpath) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+            return Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
         return Path(trainer.default_root_dir) / "preempted.ckpt"
 
     def _check(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -109,10 +109,21 @@ class EpochAwareLoader(DataLoader):
 
     def _with_hooks(self, iterator):
         # Both run in the main process as batches are fetched: `on_batch` for each one (before Lightning's
-        # prefetching looks past it), `on_exhausted` once a pass has yielded its last batch.
+        # prefetching looks past it), `on_exhausted` with the last batch of a pass. When the dataset knows its
+        # length, that is when the last batch is fetched: Lightning then knows the pass is over and never asks
+        # the iterator for more, so code after the loop would not run.
+        try:  # a resumed pass yields the batches after the ones it skips
+            expected = len(self.dataset) - getattr(self.dataset, "skip", 0)
+        except TypeError:
+            expected = None
+        fetched, ended = 0, False
         for batch in iterator:
+            fetched += 1
             if self._on_batch is not None:
                 self._on_batch(batch)
+            if fetched == expected and self._on_exhausted is not None:
+                ended = True
+                self._on_exhausted()
             yield batch
-        if self._on_exhausted is not None:
+        if not ended and self._on_exhausted is not None:
             self._on_exhausted()

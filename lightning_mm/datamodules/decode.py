@@ -79,6 +79,10 @@ _PIXEL_LIMIT = 1 << 30
 if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < _PIXEL_LIMIT:
     Image.MAX_IMAGE_PIXELS = _PIXEL_LIMIT
 
+IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+"""Formats PIL may parse. PIL detects the format from the content, not the extension: an EPS or PDF payload named
+``.jpg`` would otherwise be handed to Ghostscript on decode; anything else is ``image_unreadable``."""
+
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
 """Images whose header declares more pixels are skipped as ``image_too_large`` before any pixel is decoded: decoding
 one RGB image takes ~3 bytes per pixel (200 MB at this limit, 4.8 GB for a 40000 x 40000 header that a 118-byte PNG
@@ -190,11 +194,15 @@ class ErrorLog:
         """Samples (or damaged shard rests) dropped so far: the sum of the error kinds."""
         return sum(self.counts[kind] for kind in ERROR_KINDS)
 
-    def summary(self, what: str, total: int | None = None, since: dict[str, int] | None = None) -> str:
+    def summary(
+        self, what: str, total: int | None = None, since: dict[str, int] | None = None, skipped: int | None = None
+    ) -> str:
         """One paragraph for the console: how many were skipped (since the ``since`` counts, e.g. a snapshot taken at
-        the start of an epoch) of ``total``, by kind with an example each, and the notices."""
+        the start of an epoch) of ``total``, by kind with an example each, and the notices. ``skipped`` overrides
+        the headline count (e.g. summed over ranks, while the kinds below are this process's)."""
         counts = {kind: count - (since or {}).get(kind, 0) for kind, count in self.counts.items()}
-        skipped = sum(counts[kind] for kind in ERROR_KINDS)
+        if skipped is None:
+            skipped = sum(counts[kind] for kind in ERROR_KINDS)
         share = f" ({100 * skipped / total:.2f} %)" if total else ""
         head = f"{what}: skipped {skipped}" + (f" of {total} samples{share}" if total is not None else " samples")
         parts = [head]
@@ -439,7 +447,7 @@ def _validate(
         try:
             # Image.open parses the header only (no pixel decoding); extractfile reads just the bytes
             # the parser asks for, so indexing does not read whole images.
-            with Image.open(tar.extractfile(members[image_key])) as image:
+            with Image.open(tar.extractfile(members[image_key]), formats=IMAGE_FORMATS) as image:
                 width, height = image.size
         except MemoryError:
             raise
@@ -533,7 +541,7 @@ def load_rgb_image(
     indexed).
     """
     try:
-        image = Image.open(io.BytesIO(data))  # the header only
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # the header only
         too_large = _too_large(*image.size, max_image_pixels)
         if too_large is None:
             # The rawmode tells the stored bit depth of "I" images; load() clears the tile list holding it.

@@ -379,7 +379,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self.patch_size = patch_size
         self.max_patches_per_image = max_patches_per_image
         self.error_log = ErrorLog(on_error)
-        self._pass: dict[str, Any] = {"loaded": 0, "since": dict(self.error_log.counts)}
+        self._passes: dict[str, dict[str, Any]] = {}
         self._tokenizer: TextTokenizer | None = None
         self._splits: dict[str, tuple[list[SampleRecord], list[tuple[int, int]]]] = {}
         self._consumed = {"epoch": 0, "batches": 0}
@@ -449,7 +449,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 )
             records.extend(found)
         skipped = self.error_log.skipped - sum(since[kind] for kind in ERROR_KINDS)
-        self._report(f"data ({split}, indexed)", skipped, len(records) + skipped, since)
+        self._report(f"data ({split}, indexed)", skipped, len(records) + skipped, since)  # same on every rank
         if not records:
             raise ValueError(
                 f"{split}_urls: no valid sample in {len(shards[split])} shard(s); error counts: {self.error_log.counts}"
@@ -471,36 +471,58 @@ class ImageTextWebDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------------------------ accounting
 
-    def _report(self, what: str, skipped: int, total: int, since: dict[str, int], rank_zero: bool = True) -> None:
-        """Print the skip summary (rank 0, or every rank that skipped something) and fail over the threshold."""
+    def _report(self, what: str, skipped: int, total: int, since: dict[str, int], collective: bool = False) -> None:
+        """Print the skip summary and fail over the threshold.
+
+        ``collective``: the counts are this rank's (a pass over its own batches); they are summed over the
+        data-parallel group first, so every rank decides alike (one raising alone would leave the others waiting
+        in the next collective). Every data-parallel rank ends its pass at the same batch count, so the ranks reach
+        this together. Indexing counts are the same on every rank already.
+        """
         rank = self.trainer.global_rank if self.trainer is not None else 0
-        if rank == 0 or (skipped and not rank_zero):
-            prefix = "" if rank == 0 else f"rank {rank}: "
-            _print(prefix + self.error_log.summary(what, total, since))
+        if collective:
+            skipped, total = self._sum_over_data_parallel(skipped, total)
+        if rank == 0:
+            # With `collective`, the headline counts every data-parallel rank, the kinds below this one.
+            _print(self.error_log.summary(what, total, since, skipped))
         if total and skipped / total > self.hparams.max_skipped_fraction:
             raise ValueError(
                 f"{what}: {skipped} of {total} samples ({100 * skipped / total:.2f} %) were skipped as bad, more "
-                f"than max_skipped_fraction={self.hparams.max_skipped_fraction}; by kind: "
+                f"than max_skipped_fraction={self.hparams.max_skipped_fraction}; by kind on this rank: "
                 f"{ {k: c for k, c in self.error_log.counts.items() if c} }. Fix the data, or raise "
                 "max_skipped_fraction to accept training on less data"
             )
 
-    def _count_batch(self, batch: MultimodalBatch) -> None:
+    def _sum_over_data_parallel(self, skipped: int, total: int) -> tuple[int, int]:
+        strategy = getattr(self.trainer, "strategy", None)
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return skipped, total
+        group = getattr(strategy, "data_parallel_group", torch.distributed.group.WORLD)
+        if group is None:  # one data-parallel rank (e.g. pure tensor / pipeline parallel)
+            return skipped, total
+        device = getattr(strategy, "root_device", torch.device("cpu"))
+        counts = torch.tensor([skipped, total], dtype=torch.long, device=device)
+        torch.distributed.all_reduce(counts, group=group)
+        return int(counts[0]), int(counts[1])
+
+    def _count_batch(self, split: str, batch: MultimodalBatch) -> None:
         """Each fetched batch (main process): its workers' error counts and examples, its samples."""
         counts = getattr(batch, "data_errors", None)
         if counts:
             self.error_log.merge(counts)
             self.error_log.merge_examples(getattr(batch, "data_error_examples", {}))
-        self._pass["loaded"] += batch.num_samples
+        self._passes[split]["loaded"] += batch.num_samples
 
-    def _start_pass(self) -> None:
-        self._pass = {"loaded": 0, "since": dict(self.error_log.counts)}
+    def _start_pass(self, split: str) -> None:
+        self._passes[split] = {"loaded": 0, "since": dict(self.error_log.counts)}
 
     def _end_pass(self, split: str) -> None:
-        since = self._pass["since"]
-        skipped = self.error_log.skipped - sum(since[kind] for kind in ERROR_KINDS)
-        what = f"data ({split}, epoch {self._current_epoch()})"
-        self._report(what, skipped, self._pass["loaded"] + skipped, since, rank_zero=False)
+        record = self._passes[split]
+        since = record["since"]
+        skipped = sum(self.error_log.counts[kind] - since[kind] for kind in ERROR_KINDS)
+        step = getattr(self.trainer, "global_step", 0) if self.trainer is not None else 0
+        what = f"data ({split}, epoch {self._current_epoch()})" if split == "train" else f"data ({split}, step {step})"
+        self._report(what, skipped, record["loaded"] + skipped, since, collective=True)
 
     def teardown(self, stage: str) -> None:
         rank = self.trainer.global_rank if self.trainer is not None else 0
@@ -515,7 +537,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
         """What the saved stream position depends on: the train shards (names and sizes) and the plan settings."""
         shards, _ = self._sources()
         listing = [[Path(u).name, Path(u).stat().st_size if Path(u).is_file() else -1] for u in shards["train"]]
-        plan = self.regroup_config()
+        # The position counts this rank's batches of a plan dealt to `data_parallel_size` ranks.
+        plan = {**self.regroup_config(), "data_parallel_size": self._data_parallel_rank_and_size()[1]}
         return {"shards": self._digest(listing), "plan": self._digest(plan), "plan_config": plan}
 
     @property
@@ -556,14 +579,14 @@ class ImageTextWebDataModule(L.LightningDataModule):
             )
 
         def start(_epoch_fn=epoch_fn):
-            self._start_pass()
+            self._start_pass(split)
             return _epoch_fn()
 
         return EpochAwareLoader(
             dataset,
             start,
             num_workers=self.hparams.num_workers,
-            on_batch=self._count_batch,
+            on_batch=lambda batch: self._count_batch(split, batch),
             on_exhausted=lambda: self._end_pass(split),
         )
 

@@ -118,21 +118,24 @@ class PipelineRunner:
             )
         target = spec.target(batch)
         args = args if self.has_first else ()
-        objective.begin(batch, group)
-        if not train or objective.needs_statistics:
-            # Lightning validates under inference_mode; the schedule's receive buffers are ordinary tensors.
-            with torch.inference_mode(False), torch.no_grad(), context():
-                self.eval_schedule.eval(*[a.clone() for a in args], target=_clone(target))
-            if self.has_last:
-                start = time.perf_counter()
-                objective.prepare(group, train)
-                if self.recorder.enabled:  # the objective's whole-batch work between the passes, on the timeline
-                    self.recorder.events.append(("O", self.split.num_stages - 1, -1, start, time.perf_counter()))
-        if train:
-            self._loss_divisor = loss_divisor
-            with context():
-                self.train_schedule.step(*args, target=target)
-        return self._broadcast(objective.values() if self.has_last else {})
+        # Lightning validates under inference_mode (with NCCL; gloo gets no_grad): the objective's state and the
+        # schedules' receive buffers must be ordinary tensors, so the whole step runs outside it.
+        with torch.inference_mode(False):
+            objective.begin(batch, group)
+            if not train or objective.needs_statistics:
+                with torch.no_grad(), context():
+                    self.eval_schedule.eval(*[a.clone() for a in args], target=_clone(target))
+                if self.has_last:
+                    start = time.perf_counter()
+                    objective.prepare(group, train)
+                    if self.recorder.enabled:  # the objective's whole-batch work between the passes, on the timeline
+                        self.recorder.events.append(("O", self.split.num_stages - 1, -1, start, time.perf_counter()))
+            if train:
+                self._loss_divisor = loss_divisor
+                with context():
+                    self.train_schedule.step(*args, target=target)
+            values = objective.values() if self.has_last else {}
+        return self._broadcast(values)
 
     def _broadcast(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._value_names is None:  # the last stage names the values once; a tensor broadcast per step after

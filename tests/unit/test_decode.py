@@ -550,3 +550,11 @@ def test_index_shard_validates_arguments(shard):
         index_shard(url, ErrorLog(), text_keys=("txt", "json"))
     with pytest.raises(TypeError, match="errors"):
         index_shard(url, "skip")
+
+
+def test_formats_outside_the_allowed_ones_are_unreadable_not_decoded(shard):
+    """PIL picks the format from the content: an EPS payload named .jpg would reach Ghostscript when decoded."""
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n%%EndComments\nshowpage\n"
+    url = shard(good_samples(1) + sample("s000002", image=eps) + good_samples(3))
+    records, _ = check_bad("skip", "image_unreadable", url, "s000002", lambda e: index_shard(url, e))
+    assert keys(records) == ["s000001", "s000003"]

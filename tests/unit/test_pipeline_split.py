@@ -164,3 +164,33 @@ def test_sequential_cut_errors_name_the_module():
         sequential_pipeline_spec(owner, ["net.blocks.9"], None, 1, None, None)
     with pytest.raises(ValueError, match="inside one submodule"):
         sequential_pipeline_spec(owner, ["net"], None, 1, None, None)
+
+
+def test_objective_equals_the_unsplit_losses_and_survives_inference_mode():
+    """One microbatch holding the whole batch: the objective's values are compute_losses' own. begin() runs
+    under inference_mode as Lightning validates, observe() outside it as the pipeline's passes do."""
+    from lightning_mm.models.vlm.pipeline import VLMPipelineObjective
+
+    full = _model(unimodal_layers=2, fusion_layers=2)
+    batch = pad_batch(collate_one_per_row(random_samples(6, seed=3), pad_id=0), (8, 24, 16, 1))
+    split = explicit_split(model_units(full.config), ["unimodal_layers.1", "fusion_layers.1"], 3)
+    model = prune_model(copy.deepcopy(full), split, [0, 1, 2])
+    with torch.no_grad():
+        values = stage_inputs(batch)
+        for stage in [VLMStage(model, split, s) for s in range(3)]:
+            values = stage(*values)
+        expected = compute_losses(full(batch), batch, contrastive_weight=0.7, moe_aux_weight=0.3)
+    objective = VLMPipelineObjective(full.config, contrastive_weight=0.7, moe_aux_weight=0.3)
+    with torch.inference_mode():
+        objective.begin(batch, None)
+    with torch.inference_mode(False), torch.no_grad():
+        objective.observe(values, batch.labels)
+    objective.prepare(None, train=False)
+    got = objective.values()
+    for name, want in (
+        ("loss", expected.total),
+        ("caption_loss", expected.caption),
+        ("contrastive_loss", expected.contrastive),
+        ("moe_aux_loss", expected.moe_aux),
+    ):
+        torch.testing.assert_close(got[name], want.float(), msg=name)

@@ -145,3 +145,29 @@ def test_payload_in_a_one_file_checkpoint_is_refused_by_the_strategy(tmp_path):
         if dist.is_initialized():
             dist.destroy_process_group()
     assert not marker.exists()
+
+
+def test_dcp_shard_path_outside_the_checkpoint_is_refused(tmp_path):
+    import dataclasses
+
+    _write_checkpoint(tmp_path / "ck")
+    metadata = pickle.loads((tmp_path / "ck" / ".metadata").read_bytes())  # written by this test: trusted
+    metadata.storage_data = {
+        index: dataclasses.replace(info, relative_path="../elsewhere.distcp")
+        for index, info in metadata.storage_data.items()
+    }
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(metadata))
+    _reseal(tmp_path / "ck")
+    with pytest.raises(ckpt.UnsafeCheckpointError, match="outside the checkpoint directory"):
+        _load(tmp_path / "ck")
+
+
+def test_a_damaged_file_is_reported_as_corrupt_not_as_unsafe(tmp_path):
+    _write_checkpoint(tmp_path / "ck")
+    ckpt.consolidate(tmp_path / "ck", tmp_path / "one.ckpt")
+    data = (tmp_path / "one.ckpt").read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "garbage.ckpt").write_bytes(b"\x80\x02garbage that is no checkpoint")
+    for name in ("cut.ckpt", "garbage.ckpt"):
+        with pytest.raises(ckpt.CorruptCheckpointError, match="corrupt or truncated"):
+            ckpt.read_topology(tmp_path / name)

@@ -180,6 +180,10 @@ def test_resume_with_other_shards_or_plan_is_refused_or_replanned(shards):
     fewer = shards.train.replace("000004", "000003")
     with pytest.raises(ValueError, match="train shards .* differ"):
         _dm(shards, train_urls=fewer).load_state_dict(state)
+    on_two_ranks = _dm(shards)
+    _batches(on_two_ranks, 0, 2)  # attaches a trainer reporting 2 data-parallel ranks
+    with pytest.raises(ValueError, match=r"batching settings changed: \['data_parallel_size'\]"):
+        on_two_ranks.load_state_dict(state)
     replanned = _dm(shards, rows_per_batch=2, allow_replan=True)
     replanned.load_state_dict({**state, "batches": 3})
     assert replanned._resume == {"epoch": 0, "batches": 0}

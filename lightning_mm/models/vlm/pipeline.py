@@ -360,9 +360,9 @@ class VLMPipelineObjective(PipelineObjective):
         self.tokens, self.pairs = int(counts[0]), int(counts[1])
         self.rows = batch.num_rows
         self._image = self._text = self._pairs = self._scale = None
-        device = batch.tokens.device
-        self._router_counts = torch.zeros(sum(self.decision_sizes), dtype=torch.float64, device=device)
-        self._prob_sums = torch.zeros(sum(self.decision_sizes), dtype=torch.float64, device=device)
+        # Allocated by the first observe(), in the autograd mode the pass runs in: Lightning validates under
+        # inference_mode, the pipeline's passes run outside it, and an inference tensor cannot be updated there.
+        self._router_counts = self._prob_sums = None
         self._caption_parts: list[torch.Tensor] = []
         self._grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._global_router_counts: list[torch.Tensor] = []
@@ -383,6 +383,9 @@ class VLMPipelineObjective(PipelineObjective):
         self._text[rows] = text_embeds.detach()
         self._pairs[rows] = pairs.bool()
         self._scale = scale[0].detach()
+        if self._router_counts is None:
+            self._router_counts = counts.new_zeros(sum(self.decision_sizes), dtype=torch.float64)
+            self._prob_sums = probs.new_zeros(sum(self.decision_sizes), dtype=torch.float64)
         self._router_counts += counts.sum(dim=0).to(torch.float64)
         self._prob_sums += probs.detach().sum(dim=0).to(torch.float64)
         self._caption_parts.append(self._caption(logits.detach(), target).float())
