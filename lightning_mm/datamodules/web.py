@@ -516,13 +516,22 @@ class ImageTextWebDataModule(L.LightningDataModule):
     def _start_pass(self, split: str) -> None:
         self._passes[split] = {"loaded": 0, "since": dict(self.error_log.counts)}
 
-    def _end_pass(self, split: str) -> None:
+    def _end_pass(self, split: str, dataset: _PlannedSplit) -> None:
         record = self._passes[split]
         since = record["since"]
         skipped = sum(self.error_log.counts[kind] - since[kind] for kind in ERROR_KINDS)
         step = getattr(self.trainer, "global_step", 0) if self.trainer is not None else 0
         what = f"data ({split}, epoch {self._current_epoch()})" if split == "train" else f"data ({split}, step {step})"
         self._report(what, skipped, record["loaded"] + skipped, since, collective=True)
+        plan = dataset.plan(dataset.epoch)
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        if split == "train" and rank == 0:
+            # Not a skip (nothing wrong with these samples), but data the epoch did not train on: say it.
+            _print(
+                f"  left out by this epoch's plan: {plan.dropped_samples} of {plan.planned_samples} samples (the "
+                "batches that would not give every data-parallel rank a step, and a last partial packed batch; "
+                "epoch_policy='pad' keeps them)"
+            )
 
     def teardown(self, stage: str) -> None:
         rank = self.trainer.global_rank if self.trainer is not None else 0
@@ -587,7 +596,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             start,
             num_workers=self.hparams.num_workers,
             on_batch=lambda batch: self._count_batch(split, batch),
-            on_exhausted=lambda: self._end_pass(split),
+            on_exhausted=lambda: self._end_pass(split, dataset),
         )
 
     def _train_epoch_and_skip(self) -> tuple[int, int]:

@@ -138,6 +138,7 @@ def test_corrupt_image_is_skipped_counted_or_raised(tmp_path, shards, capsys):
     printed = capsys.readouterr().err
     assert "data (train, indexed): skipped 0 of 20 samples" in printed
     assert "data (train, epoch 0): skipped 2 of 20 samples (10.00 %)" in printed and "s000004" in printed
+    assert "left out by this epoch's plan: 0 of 20 samples" in printed
     with pytest.raises(ValueError, match=r"image_corrupt.*bad-000000\.tar.*s000004"):
         _batches(_dm(shards, train_urls=urls, regroup="none", batch_size=4, on_error="raise"), 0, 1)
     # 10 % skipped is more than the default max_skipped_fraction (1 %): the epoch fails, saying so.
