@@ -33,7 +33,7 @@ __all__ = [
     "transformer_blocks",
 ]
 
-SUPPORTED_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
+SUPPORTED_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 """Lightning-style precision strings :func:`mixed_precision_policy` understands."""
 
 
@@ -52,6 +52,9 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
         return None
     if precision == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "16-mixed":
+        # fp16 compute with dynamic loss scaling (the caller's grad scaler); reductions in fp32 as for bf16-mixed.
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     if precision == "bf16-true":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     raise ValueError(f"unsupported precision={precision!r} for FSDP; supported values: {SUPPORTED_PRECISIONS}")

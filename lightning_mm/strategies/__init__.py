@@ -9,8 +9,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mm.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_mm.strategies.hybrid import HybridParallelStrategy
+from lightning_mm.strategies.precision import MeshFP16Precision
 
-__all__ = ["AtomicCheckpointIO", "HybridParallelStrategy"]
+__all__ = ["AtomicCheckpointIO", "HybridParallelStrategy", "MeshFP16Precision"]
 
 if HybridParallelStrategy.strategy_name not in StrategyRegistry:
     StrategyRegistry.register(

@@ -537,6 +537,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         microbatches of a step, as torchtitan does under PP). Stage modules share the model's submodules, so the
         optimizer and checkpoints see the unsplit FQNs of this rank's layers.
         """
+        if mp_policy is not None and mp_policy.param_dtype == torch.float16:
+            raise ValueError(
+                "pipeline_parallel > 1 with precision='16-mixed' (MeshFP16Precision) is not supported yet: the "
+                "schedule runs backward itself, without the grad scaler's loss scaling; use bf16-mixed"
+            )
         dims = self.parallel_dims
         if dims.tp_enabled and self.sequence_parallel:
             raise ValueError(

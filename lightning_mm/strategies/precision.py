@@ -1,4 +1,4 @@
-"""Precision plugins whose gradient clipping sees the whole mesh.
+"""Precision plugins whose gradient clipping sees the whole mesh, and fp16 with one overflow decision for the mesh.
 
 Lightning clips through ``precision_plugin.clip_grad_by_norm``, which runs ``torch.nn.utils.clip_grad_norm_`` on
 the local parameters: that fails on a mix of DTensor meshes and plain tensors, and under pipeline parallelism it
@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_mm.parallel.clip import clip_grad_norm_
 
-__all__ = ["MeshHalfPrecision", "MeshMixedPrecision", "MeshPrecision", "with_mesh_clipping"]
+__all__ = ["MeshFP16Precision", "MeshHalfPrecision", "MeshMixedPrecision", "MeshPrecision", "with_mesh_clipping"]
 
 
 class _MeshClipping:
@@ -41,6 +41,30 @@ class MeshHalfPrecision(_MeshClipping, HalfPrecision):
 
 class MeshMixedPrecision(_MeshClipping, MixedPrecision):
     """``precision="bf16-mixed"`` with mesh-wide clipping."""
+
+
+class MeshFP16Precision(MeshMixedPrecision):
+    """``precision="16-mixed"`` (fp16 autocast, dynamic loss scaling) for ``HybridParallelStrategy``.
+
+    Every rank holds other gradient shards, and the step must be skipped (and the scale lowered) on all of them
+    when any shard overflowed, or the replicas drift apart. For DTensor gradients (FSDP2, TP) DTensor's dispatcher
+    already reduces the overflow flag of ``GradScaler``'s unscale over each tensor's own mesh; plain-tensor
+    gradients (parameters kept outside FSDP, different meshes in one optimizer) are not covered by that. torch's
+    ``ShardedGradScaler`` all-reduces the flag over ``process_group`` (default: all ranks) after unscaling, which
+    covers every case. Lightning refuses ``Trainer(precision="16-mixed")`` for ``ModelParallelStrategy`` subclasses
+    before the strategy is consulted, so this plugin is passed instead: ``Trainer(plugins=[MeshFP16Precision()])``.
+    Not supported with pipeline parallelism yet (the schedule's backward would need the scaled loss).
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"`` (autocast device type).
+        init_scale, growth_interval: as ``torch.amp.GradScaler``'s.
+    """
+
+    def __init__(self, device: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device=device, init_scale=init_scale, growth_interval=growth_interval)
+        super().__init__("16-mixed", device, scaler=scaler)
 
 
 _MESH_CLASSES: dict[type, type] = {

@@ -157,8 +157,10 @@ def test_mixed_precision_policy():
     assert (mixed.param_dtype, mixed.reduce_dtype) == (torch.bfloat16, torch.float32)
     true = mixed_precision_policy("bf16-true")
     assert (true.param_dtype, true.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
-    with pytest.raises(ValueError, match="precision='16-mixed'") as info:
-        mixed_precision_policy("16-mixed")
+    half = mixed_precision_policy("16-mixed")  # with MeshFP16Precision's loss scaling
+    assert (half.param_dtype, half.reduce_dtype) == (torch.float16, torch.float32)
+    with pytest.raises(ValueError, match="precision='64-true'") as info:
+        mixed_precision_policy("64-true")
     assert all(value in str(info.value) for value in SUPPORTED_PRECISIONS)
 
 
