@@ -44,9 +44,9 @@ import pathlib
 import pickle
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "check_complete",
     "fsync_path",
+    "write_atomically",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
@@ -309,11 +310,20 @@ def _write_complete_marker(directory: Path) -> None:
     files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != COMPLETE_FILE}
     for name in files:
         fsync_path(directory / name)
-    tmp = directory / f"{COMPLETE_FILE}.tmp"
-    tmp.write_text(json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True) + "\n")
-    fsync_path(tmp)
-    os.replace(tmp, directory / COMPLETE_FILE)
-    fsync_path(directory)
+    marker = json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True) + "\n"
+    write_atomically(directory / COMPLETE_FILE, lambda file: file.write(marker.encode()))
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """Write ``path`` through ``write(file)`` into a temporary sibling (``.NAME.partial``), fsync it, rename it over
+    ``path`` and fsync the directory: a crash leaves the previous file or the new one, never a torn one."""
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+    fsync_path(path.parent)
 
 
 def check_complete(path: str | Path) -> None:

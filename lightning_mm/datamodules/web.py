@@ -70,6 +70,7 @@ from lightning_mm.datamodules.stages import (
     patch_grid,
     patchify,
 )
+from lightning_mm.parallel.collectives import all_reduce_sum
 
 __all__ = ["ImageTextWebDataModule", "EpochPlan"]
 
@@ -479,7 +480,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         in the next collective). Every data-parallel rank ends its pass at the same batch count, so the ranks reach
         this together. Indexing counts are the same on every rank already.
         """
-        rank = self.trainer.global_rank if self.trainer is not None else 0
+        rank = self._global_rank()
         if collective:
             skipped, total = self._sum_over_data_parallel(skipped, total)
         if rank == 0:
@@ -494,15 +495,13 @@ class ImageTextWebDataModule(L.LightningDataModule):
             )
 
     def _sum_over_data_parallel(self, skipped: int, total: int) -> tuple[int, int]:
-        strategy = getattr(self.trainer, "strategy", None)
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return skipped, total
+        strategy = self.trainer.strategy
+        # None on a mesh with one data-parallel rank (e.g. pure tensor / pipeline parallel): nothing to sum.
         group = getattr(strategy, "data_parallel_group", torch.distributed.group.WORLD)
-        if group is None:  # one data-parallel rank (e.g. pure tensor / pipeline parallel)
-            return skipped, total
         device = getattr(strategy, "root_device", torch.device("cpu"))
-        counts = torch.tensor([skipped, total], dtype=torch.long, device=device)
-        torch.distributed.all_reduce(counts, group=group)
+        counts = all_reduce_sum(torch.tensor([skipped, total], device=device), group)
         return int(counts[0]), int(counts[1])
 
     def _count_batch(self, split: str, batch: MultimodalBatch) -> None:
@@ -524,7 +523,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         what = f"data ({split}, epoch {self._current_epoch()})" if split == "train" else f"data ({split}, step {step})"
         self._report(what, skipped, record["loaded"] + skipped, since, collective=True)
         plan = dataset.plan(dataset.epoch)
-        rank = self.trainer.global_rank if self.trainer is not None else 0
+        rank = self._global_rank()
         if split == "train" and rank == 0:
             # Not a skip (nothing wrong with these samples), but data the epoch did not train on: say it.
             _print(
@@ -533,8 +532,11 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 "epoch_policy='pad' keeps them)"
             )
 
+    def _global_rank(self) -> int:
+        return self.trainer.global_rank if self.trainer is not None else 0
+
     def teardown(self, stage: str) -> None:
-        rank = self.trainer.global_rank if self.trainer is not None else 0
+        rank = self._global_rank()
         if rank == 0:  # the whole run, indexing and every pass (this rank's decode-time skips)
             _print(self.error_log.summary(f"data (end of {getattr(stage, 'value', stage)})"))
 

@@ -11,7 +11,6 @@ directory. ``HybridParallelStrategy`` uses it for its one-file checkpoints; any 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_mm.checkpoint import fsync_path
+from lightning_mm.checkpoint import write_atomically
 from lightning_mm.strategies._compat import is_local_file_protocol
 
 __all__ = ["AtomicCheckpointIO"]
@@ -34,11 +33,5 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.partial")
-        with open(partial, "wb") as file:
-            torch.save(checkpoint, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, path)
-        fsync_path(path.parent)
+        write_atomically(path, lambda file: torch.save(checkpoint, file))
         return None

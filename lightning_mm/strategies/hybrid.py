@@ -568,7 +568,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             tp_plan = {
                 pattern: style
                 for pattern, style in self._require_tp_plan(module, plan).items()
-                if any(_matches(name, pattern) for name in present)
+                if any(fnmatch.fnmatchcase(name, pattern) for name in present)
             }
             apply_tensor_parallel(module, dims.get_mesh("tp"), tp_plan)
         blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
@@ -763,10 +763,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
             fqns = [names[param] for group in optimizer.param_groups for param in group["params"]]
             set_optimizer_state_dict(self.model, optimizer, ckpt.optimizer_state_by_fqn(saved, fqns), options=options)
         return checkpoint
-
-
-def _matches(name: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern)
 
 
 def _rows(batch: Any) -> int:

@@ -391,21 +391,8 @@ class VLMPipelineObjective(PipelineObjective):
         self._caption_parts.append(self._caption(logits.detach(), target).float())
 
     def prepare(self, group: dist.ProcessGroup | None, train: bool) -> None:
-        router_counts = all_reduce_sum(self._router_counts, group)
-        decisions = list(
-            zip(router_counts.split(self.decision_sizes), self._prob_sums.split(self.decision_sizes), strict=True)
-        )
-        self._global_router_counts = [counts for counts, _ in decisions]
-        moe_aux = (
-            torch.stack(
-                [
-                    load_balancing_terms(RouterStats(expert_counts=counts, prob_sums=prob_sums), counts, self.world)
-                    for counts, prob_sums in decisions
-                ]
-            )
-            .mean()
-            .float()
-        )
+        self._global_router_counts = list(all_reduce_sum(self._router_counts, group).split(self.decision_sizes))
+        moe_aux = self._balance_loss(self._prob_sums).float()
         # The contrastive loss of the whole batch, on leaves: its value, and the gradients the training pass needs.
         image = self._image[self._pairs].requires_grad_(train)
         text = self._text[self._pairs].requires_grad_(train)
@@ -443,17 +430,20 @@ class VLMPipelineObjective(PipelineObjective):
             + (text_embeds.float() * grad_text[rows]).sum()
             + scale.float().sum() * grad_scale / self.rows
         )
-        width_offsets = torch.tensor([0, *self.decision_sizes]).cumsum(0).tolist()
-        probs = probs.sum(dim=0)
-        moe_aux = torch.stack(
+        moe_aux = self._balance_loss(probs.sum(dim=0))
+        return self._caption(logits, target) + self.contrastive_weight * contrastive + self.moe_aux_weight * moe_aux
+
+    def _balance_loss(self, prob_sums: torch.Tensor) -> torch.Tensor:
+        """Mean over routing decisions of the balance loss with the whole batch's routing counts, for router
+        probabilities summed over some tokens, ``prob_sums (K,)``: linear in them, so microbatch terms add up to the
+        whole batch's."""
+        parts = prob_sums.split(self.decision_sizes)
+        return torch.stack(
             [
-                load_balancing_terms(RouterStats(expert_counts=counts, prob_sums=probs[start:end]), counts, self.world)
-                for counts, start, end in zip(
-                    self._global_router_counts, width_offsets[:-1], width_offsets[1:], strict=True
-                )
+                load_balancing_terms(RouterStats(expert_counts=counts, prob_sums=part), counts, self.world)
+                for counts, part in zip(self._global_router_counts, parts, strict=True)
             ]
         ).mean()
-        return self._caption(logits, target) + self.contrastive_weight * contrastive + self.moe_aux_weight * moe_aux
 
     def values(self) -> dict[str, torch.Tensor]:
         return self._values
