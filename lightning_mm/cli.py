@@ -3,6 +3,7 @@
 lightning-mm fit --config examples/configs/default.yaml
 lightning-mm make-shards --preset tiny --output-dir /tmp/shards
 lightning-mm consolidate CKPT_DIR OUT.ckpt
+lightning-mm export-hf CKPT OUT_DIR
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 
 __all__ = ["VLMLightningCLI", "main", "configure_wandb_mode"]
 
-_OVERVIEW = """usage: lightning-mm {fit,validate,test,make-shards,consolidate} ...
+_OVERVIEW = """usage: lightning-mm {fit,validate,test,make-shards,consolidate,export-hf} ...
 
 Multimodal (vision-language) training with PyTorch Lightning.
 
@@ -25,6 +26,7 @@ subcommands:
   test         run one test pass
   make-shards  write the embedded synthetic image-text dataset as WebDataset shards
   consolidate  write a sharded checkpoint directory (HybridParallelStrategy) as one checkpoint file
+  export-hf    write an HFCausalLMModule checkpoint as a Hugging Face directory (needs the [hf] extra)
 
 example:
   lightning-mm fit --config examples/configs/default.yaml
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_mm.checkpoint import consolidate_main
 
         raise SystemExit(consolidate_main(argv[1:]))
+    if argv and argv[0] == "export-hf":
+        from lightning_mm.models.hf.export import export_main
+
+        raise SystemExit(export_main(argv[1:]))
     if not argv or argv[0] in ("-h", "--help"):
         print(_OVERVIEW)
         raise SystemExit(0)

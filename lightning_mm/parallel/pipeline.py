@@ -45,6 +45,7 @@ __all__ = [
     "explicit_split",
     "idle_fraction",
     "plot_timeline",
+    "prune_units",
     "sequential_pipeline_spec",
     "sequential_units",
     "stage_costs",
@@ -191,10 +192,14 @@ def sequential_units(model: nn.Module, root: str, split_points: Sequence[str]) -
     return expand(root, module)
 
 
-def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent_name, _, name = fqn.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, name, new)  # nn.ModuleList / Sequential / ModuleDict register children by name too
+def prune_units(model: nn.Module, units: Sequence[str], keep: set[str]) -> None:
+    """Replace every unit of ``units`` not in ``keep`` by a :class:`PassThrough` (FQNs of what stays unchanged)."""
+    for fqn in units:
+        if fqn in keep:
+            continue
+        parent_name, _, name = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, name, PassThrough())  # nn.ModuleList / Sequential / ModuleDict register children by name too
 
 
 def sequential_pipeline_spec(
@@ -235,10 +240,7 @@ def sequential_pipeline_spec(
                 f"{type(model).__name__} is pipelined as a chain of units, one stage per rank; use "
                 "virtual_stages=1 and a single-stage schedule (GPipe, 1F1B)"
             )
-        keep = set(split.stage_units(stage_ids[0]))
-        for unit in units:
-            if unit not in keep:
-                _replace(model, unit, PassThrough())
+        prune_units(model, units, set(split.stage_units(stage_ids[0])))
         return [model.get_submodule(root)]
 
     return PipelineSpec(

@@ -185,7 +185,10 @@ def _describe(style: str | ParallelStyle) -> str:
 
 def _check_module_type(pattern: str, fqn: str, style: str | ParallelStyle, module: nn.Module) -> None:
     linear = style in ("colwise", "rowwise") or isinstance(style, (ColwiseParallel, RowwiseParallel))
-    if linear and not isinstance(module, nn.Linear):
+    # torch's Colwise/RowwiseParallel also shard nn.Embedding (a vocab-sharded table); allowed when the style is given
+    # as an object (its layouts then say what the embedding's consumers expect), not for the bare names.
+    embedding_object = isinstance(style, (ColwiseParallel, RowwiseParallel)) and isinstance(module, nn.Embedding)
+    if linear and not isinstance(module, nn.Linear) and not embedding_object:
         raise ValueError(
             f"TP plan pattern {pattern!r} applies {_describe(style)} to {fqn!r}, a {type(module).__name__}; "
             f"{_describe(style)} supports only nn.Linear"
@@ -248,6 +251,11 @@ def _check_divisibility(model: nn.Module, styles: dict[str, ParallelStyle], tp: 
             continue
         heads = module.q_proj.out_features // head_dim
         check_divisible(f"{fqn or type(module).__name__} heads", heads, "tensor_parallel", tp)
+        k_proj = getattr(module, "k_proj", None)
+        if isinstance(k_proj, nn.Linear) and k_proj.out_features != module.q_proj.out_features:
+            # grouped-query attention: whole key/value heads per rank too, or a rank's queries see another's keys
+            kv_heads = k_proj.out_features // head_dim
+            check_divisible(f"{fqn or type(module).__name__} key/value heads", kv_heads, "tensor_parallel", tp)
     for fqn, style in styles.items():
         module = modules[fqn]
         if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):

@@ -151,6 +151,9 @@ class ParallelPlan:
     apply_expert_parallel: Callable[..., Any] | None = None
     """``apply_expert_parallel(ep_mesh, placement)``: shard the experts in place; returns the expert modules."""
     pipeline: PipelineSpec | None = None
+    check_degrees: Callable[[Mapping[str, int]], None] | None = None
+    """``check_degrees({"pp": 2, "tp": 2, "ep": 1, "dp": 4})``: raise ``ValueError`` (saying what to do) for a mesh
+    the model cannot run on; called by the strategy before anything is applied."""
 
 
 @runtime_checkable

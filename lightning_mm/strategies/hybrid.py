@@ -409,6 +409,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return module
         dims = self.parallel_dims
         plan = self.parallel_plan(module)
+        if plan.check_degrees is not None:
+            plan.check_degrees({"pp": dims.pp, "tp": dims.tp, "ep": dims.ep, "dp": dims.data_parallel_size()})
         if dims.pp_enabled:
             self._pipeline = self._parallelize_pipeline(module, plan, mp_policy)
             _PARALLELIZED[module] = self._pipeline

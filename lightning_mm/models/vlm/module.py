@@ -13,6 +13,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
+from lightning_mm.models.common import data_parallel_group
 from lightning_mm.models.metrics import ImageTextRecallAtK
 from lightning_mm.models.vlm.losses import VLMLosses, compute_losses
 from lightning_mm.models.vlm.model import VisionLanguageModel, build_config
@@ -80,19 +81,9 @@ class VLMModule(L.LightningModule):
     # ------------------------------------------------------------------------------------------ helpers
 
     def data_parallel_group(self) -> dist.ProcessGroup | None:
-        """Process group over which samples differ (losses gather negatives and counts over it).
-
-        A strategy that knows its mesh (``HybridParallelStrategy``) exposes ``data_parallel_group``;
-        otherwise every process is a data-parallel peer (DDP, FSDP), and one process means no group.
-        """
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if hasattr(strategy, "data_parallel_group"):
-            # The strategy knows its mesh; None there means one batch shard (e.g. pure tensor parallel), where
-            # falling back to WORLD would count tp peers' identical samples as extra negatives.
-            return strategy.data_parallel_group
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return dist.group.WORLD
-        return None
+        """Process group over which samples differ (losses gather negatives and counts over it); see
+        :func:`lightning_mm.models.common.data_parallel_group`."""
+        return data_parallel_group(self._trainer)
 
     def _losses(self, batch: MultimodalBatch) -> tuple[VLMLosses, Any]:
         output = self.model(batch)

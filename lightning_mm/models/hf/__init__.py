@@ -1,0 +1,47 @@
+"""Hugging Face ``transformers`` models on every axis of the mesh (optional extra: ``pip install "lightning-mm[hf]"``).
+
+* :class:`HFCausalLMModule`: a LightningModule around a decoder-only causal LM (Llama / Mistral / Qwen2 family),
+  optionally with LoRA adapters (``peft``), that declares its own parallelization
+  (:func:`~lightning_mm.models.hf.parallelize.causal_lm_parallel_plan`): FSDP2 units, tensor parallel from the
+  model's ``base_model_tp_plan``, a pipeline split with the global-token-count loss.
+* :func:`~lightning_mm.models.hf.export.export_pretrained`: a checkpoint of any mesh -> a directory that
+  ``AutoModelForCausalLM.from_pretrained`` (or ``PeftModel.from_pretrained`` for adapters) loads.
+
+The core package imports without ``transformers``; importing this package without it raises an ``ImportError``
+saying which extra to install.
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers  # noqa: F401
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "lightning_mm.models.hf needs Hugging Face transformers 5.x: pip install 'lightning-mm[hf]'"
+    ) from error
+
+from lightning_mm.models.hf.export import export_pretrained
+from lightning_mm.models.hf.module import HFCausalLMModule
+from lightning_mm.models.hf.parallelize import (
+    PIPELINE_FAMILIES,
+    CausalLMObjective,
+    CausalLMStage,
+    DecoderLayout,
+    as_causal_lm_batch,
+    causal_lm_loss_sum,
+    causal_lm_parallel_plan,
+    decoder_layout,
+)
+
+__all__ = [
+    "PIPELINE_FAMILIES",
+    "CausalLMObjective",
+    "CausalLMStage",
+    "DecoderLayout",
+    "HFCausalLMModule",
+    "as_causal_lm_batch",
+    "causal_lm_loss_sum",
+    "causal_lm_parallel_plan",
+    "decoder_layout",
+    "export_pretrained",
+]

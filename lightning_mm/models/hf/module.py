@@ -1,0 +1,163 @@
+"""``HFCausalLMModule``: a Hugging Face causal LM (optionally with LoRA) as a LightningModule that says how it is
+parallelized, so ``HybridParallelStrategy`` gives it FSDP2 / HSDP, tensor and pipeline parallel by itself."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_mm.batch import IGNORE_INDEX
+from lightning_mm.models.common import data_parallel_group
+from lightning_mm.models.hf.parallelize import (
+    as_causal_lm_batch,
+    causal_lm_loss_sum,
+    causal_lm_parallel_plan,
+    token_normalizer,
+)
+from lightning_mm.parallel.protocol import ParallelPlan
+
+__all__ = ["HFCausalLMModule", "build_causal_lm"]
+
+
+def build_causal_lm(
+    config: dict[str, Any] | None = None,
+    pretrained: str | None = None,
+    vocab_size: int | None = None,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """A ``transformers`` causal LM from a config dict (``{"model_type": "llama", "hidden_size": 64, ...}``; random
+    init from the current seed) or from a *local* directory with safetensors weights (nothing is downloaded and no
+    pickle is read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (config is None) == (pretrained is None):
+        raise ValueError("give exactly one of config (a dict with 'model_type') or pretrained (a local directory)")
+    if pretrained is not None:
+        path = Path(pretrained)
+        if not path.is_dir():
+            raise FileNotFoundError(f"pretrained={pretrained!r} is not a local directory (nothing is downloaded)")
+        return AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, use_safetensors=True, attn_implementation=attn_implementation
+        )
+    config = dict(config)
+    model_type = config.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"config must name its 'model_type' (e.g. 'llama'), got keys {sorted(config)}")
+    if vocab_size is not None:
+        config["vocab_size"] = int(vocab_size)
+    hf_config = AutoConfig.for_model(model_type, **config)
+    return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+
+
+class HFCausalLMModule(L.LightningModule):
+    """Next-token training of a Hugging Face decoder-only causal LM (Llama / Mistral / Qwen2 family).
+
+    Args:
+        config: the model's config as a dict with ``model_type`` (built from the current seed, no download).
+        pretrained: a local directory written by ``save_pretrained`` (safetensors) instead of ``config``.
+        model: an already built ``transformers`` causal LM instead of either (not saved in hyper-parameters).
+        vocab_size: overrides the config's (the CLI links it from the DataModule's tokenizer).
+        lora: ``peft.LoraConfig`` arguments (e.g. ``{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj",
+            "v_proj"]}``): wraps the model with LoRA adapters; only they train and are in the optimizer.
+        learning_rate, weight_decay, warmup_steps: AdamW with linear warm-up then cosine decay to 10 %.
+        max_length: fixed sequence length of pipelined batches (right padding; default: the first batch's).
+        attn_implementation: ``"sdpa"`` or ``"eager"``.
+
+    Batches: a :class:`~lightning_mm.batch.MultimodalBatch` with one caption per row (text only is used) or a
+    mapping with ``input_ids`` / ``attention_mask`` / ``labels`` (HF convention), see
+    :func:`~lightning_mm.models.hf.parallelize.as_causal_lm_batch`. The loss is the mean over every target token of
+    the global batch (data-parallel ranks included), as one process would compute it.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        model: nn.Module | None = None,
+        vocab_size: int | None = None,
+        lora: dict[str, Any] | None = None,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        max_length: int | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["model"])
+        if model is None:
+            model = build_causal_lm(config, pretrained, vocab_size, attn_implementation)
+        elif config is not None or pretrained is not None:
+            raise ValueError("give model, config or pretrained, not several")
+        if lora is not None:
+            try:
+                from peft import LoraConfig, get_peft_model
+            except ImportError as error:
+                raise ImportError("lora=... needs peft: pip install 'lightning-mm[hf]'") from error
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+        self.model = model
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The ``*ForCausalLM`` module (inside the peft wrapper when LoRA is on)."""
+        get_base = getattr(self.model, "get_base_model", None)
+        return get_base() if callable(get_base) and self.hparams.lora is not None else self.model
+
+    def parallel_plan(
+        self, *, sequence_parallel: bool = False, microbatches: int = 1, pipeline_shape=None
+    ) -> ParallelPlan:
+        return causal_lm_parallel_plan(
+            self,
+            self.causal_lm,
+            microbatches=microbatches,
+            max_length=self.hparams.max_length,
+            sequence_parallel=sequence_parallel,
+            pipeline_shape=pipeline_shape,
+        )
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids (R, T)`` -> logits ``(R, T, V)``."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        data = as_causal_lm_batch(batch)
+        logits = self(data["input_ids"], data["attention_mask"])
+        normalizer = token_normalizer(data["targets"], data_parallel_group(self._trainer))
+        return causal_lm_loss_sum(logits, data["targets"]) / normalizer, data
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, data = self._loss(batch)
+        # This rank's share of the global mean (token_normalizer): the rank mean, which sync_dist takes, is the loss
+        # of the global batch.
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=data["input_ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss, data = self._loss(batch)
+        tokens = int((data["targets"] != IGNORE_INDEX).sum())
+        self.log("val/loss", loss, sync_dist=True, batch_size=max(tokens, 1))
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for _, param in self.model.named_parameters():
+            if param.requires_grad:  # LoRA: the adapters only
+                (decay if param.ndim >= 2 else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.learning_rate,
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = self.hparams.warmup_steps
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,415 @@
+"""How a Hugging Face decoder-only causal LM is parallelized (the parallelization protocol, for HF models).
+
+The model is found by its *structure*, not its class (:func:`decoder_layout`): a ``*ForCausalLM`` whose decoder
+(``get_decoder()``) has ``embed_tokens``, a ``layers`` ``ModuleList`` and a final ``norm``, and whose output
+embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
+
+* **FSDP2 / activation-checkpointing units**: the decoder layers (embeddings, final norm and head form the root unit).
+* **Tensor parallel**: the model's own ``config.base_model_tp_plan`` (attention q/k/v colwise, o rowwise; MLP gate /
+  up colwise, down rowwise), whose patterns are relative to the decoder, resolved relative to the LightningModule;
+  grouped KV heads are split whole (``tensor_parallel`` must divide ``num_key_value_heads``). Two choices of ours,
+  since HF's own plan leaves them out or to its own loader: the **embedding is vocab-sharded**
+  (``RowwiseParallel`` over the table's rows, output all-reduced, as torchtitan does) and the **LM head is
+  vocab-sharded with gathered logits** (``ColwiseParallel(output_layouts=Replicate())``, HF's
+  ``colwise_gather_output``): the two largest matrices are split over tp, and the loss sees whole logits (a
+  vocab-parallel loss would save the gather; not done yet).
+* **Pipeline parallel**: units ``embed_tokens, layers.0, ..., layers.{L-1}, norm, lm_head`` (FQNs relative to the
+  LightningModule). A stage keeps its units and replaces the rest by pass-throughs
+  (:func:`~lightning_mm.parallel.pipeline.prune_units`; FQNs unchanged), then runs the decoder's *own* ``forward``:
+  stage 0 from ``input_ids``, later stages from ``inputs_embeds`` = the previous stage's hidden states, so the
+  rotary embeddings, position ids and the causal + padding mask are rebuilt by the model on every stage from the
+  hidden states and the ``attention_mask`` that travels with them. This relies on the decoder not transforming
+  ``inputs_embeds`` (Gemma scales them, for instance), so it is enabled for the families verified stage by stage
+  against the whole model (:data:`PIPELINE_FAMILIES`, ``tests/unit/test_hf_models.py``); for others use
+  ``pipeline_split`` on your own LightningModule (:func:`~lightning_mm.parallel.pipeline.sequential_pipeline_spec`).
+
+The loss is the causal-LM cross entropy summed over the rank's tokens and divided by the *global* token count over
+the data-parallel ranks (times their number), so data-parallel and pipelined runs equal one process on the global
+batch (:class:`CausalLMObjective`; the module's ``training_step`` uses the same :func:`causal_lm_loss_sum`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
+from lightning_mm.parallel.collectives import all_reduce_sum, group_size
+from lightning_mm.parallel.pipeline import PipelineSplit, prune_units
+from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, PipelineSpec
+
+__all__ = [
+    "PIPELINE_FAMILIES",
+    "CausalLMObjective",
+    "CausalLMStage",
+    "DecoderLayout",
+    "as_causal_lm_batch",
+    "causal_lm_loss_sum",
+    "causal_lm_parallel_plan",
+    "decoder_layout",
+    "hf_tp_plan",
+]
+
+log = logging.getLogger(__name__)
+
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2")
+"""``config.model_type`` values whose decoder ``forward`` is verified to compose stage by stage."""
+
+_HF_STYLES: dict[str, Any] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+"""HF tensor-parallel style names -> lightning-mm styles (names of :data:`lightning_mm.parallel.plans.STYLES` or
+``ParallelStyle`` factories). Other HF styles (e.g. ``replicated_with_grad_allreduce``) are refused by name."""
+
+
+# ------------------------------------------------------------------------------------------------------ structure
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """FQNs, relative to the LightningModule, of a decoder-only causal LM's parts."""
+
+    lm: str
+    """The ``*ForCausalLM`` module."""
+    decoder: str
+    """Its decoder (``LlamaModel`` ...): what ``base_model_tp_plan`` patterns are relative to."""
+    embed: str
+    layers: list[str]
+    norm: str
+    head: str
+    model_type: str
+
+    @property
+    def units(self) -> list[str]:
+        """Pipeline units in forward order."""
+        return [self.embed, *self.layers, self.norm, self.head]
+
+
+def _name_of(root: nn.Module, target: nn.Module, what: str) -> str:
+    for name, module in root.named_modules():
+        if module is target:
+            return name
+    raise ValueError(f"{what} ({type(target).__name__}) is not a submodule of {type(root).__name__}")
+
+
+def decoder_layout(root: nn.Module, lm: nn.Module) -> DecoderLayout:
+    """Find the parts of the causal LM ``lm`` inside ``root`` (the LightningModule); raise ``ValueError`` naming what
+    is missing and how to parallelize the model by hand otherwise."""
+    missing: list[str] = []
+    get_decoder = getattr(lm, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if not isinstance(decoder, nn.Module):
+        missing.append("a decoder (get_decoder())")
+        decoder = nn.Module()
+    embed = getattr(decoder, "embed_tokens", None)
+    layers = getattr(decoder, "layers", None)
+    norm = getattr(decoder, "norm", None)
+    head_getter = getattr(lm, "get_output_embeddings", None)
+    head = head_getter() if callable(head_getter) else None
+    if not isinstance(embed, nn.Embedding):
+        missing.append("decoder.embed_tokens (nn.Embedding)")
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        missing.append("decoder.layers (nn.ModuleList of decoder layers)")
+    if not isinstance(norm, nn.Module):
+        missing.append("decoder.norm (final norm)")
+    if not isinstance(head, nn.Linear):
+        missing.append("an LM head (get_output_embeddings() -> nn.Linear)")
+    if missing:
+        raise ValueError(
+            f"{type(lm).__name__} is not a decoder-only causal LM that lightning-mm's HF adapter knows: it has no "
+            f"{', '.join(missing)}. Parallelize it by hand: FSDP2 needs nothing; pass tp_plan={{'fqn.pattern': "
+            "'colwise' | 'rowwise', ...}} for tensor parallel, and for pipeline parallel write a LightningModule whose "
+            "model is a chain of layers and pass pipeline_split=[...] with a pipeline_loss hook (README, 'Bring your "
+            "own model')"
+        )
+    base = _name_of(root, decoder, "the decoder")
+    config = getattr(lm, "config", None)
+    return DecoderLayout(
+        lm=_name_of(root, lm, "the causal LM"),
+        decoder=base,
+        embed=f"{base}.embed_tokens",
+        layers=[f"{base}.layers.{i}" for i in range(len(layers))],
+        norm=f"{base}.norm",
+        head=_name_of(root, head, "the LM head"),
+        model_type=str(getattr(config, "model_type", type(lm).__name__)),
+    )
+
+
+def _tied(lm: nn.Module) -> bool:
+    return lm.get_input_embeddings().weight is lm.get_output_embeddings().weight
+
+
+def _is_lora(root: nn.Module) -> bool:
+    return any(hasattr(module, "lora_A") for module in root.modules())
+
+
+# ------------------------------------------------------------------------------------------------------ tensor parallel
+
+
+def hf_tp_plan(layout: DecoderLayout, lm: nn.Module) -> dict[str, str | ParallelStyle]:
+    """The model's ``base_model_tp_plan`` with its patterns resolved relative to the LightningModule, plus the
+    vocab-sharded embedding and LM head (module docstring)."""
+    config = lm.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    declared = getattr(text_config, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    if not declared:
+        raise ValueError(
+            f"{type(config).__name__} declares no base_model_tp_plan; pass tp_plan={{'fqn.pattern': 'colwise' | "
+            f"'rowwise', ...}} with patterns relative to the LightningModule (decoder layers are "
+            f"{layout.layers[0]!r} ...)"
+        )
+    plan: dict[str, str | ParallelStyle] = {}
+    for pattern, style in declared.items():
+        factory = _HF_STYLES.get(style)
+        if factory is None:
+            raise ValueError(
+                f"{type(config).__name__}.base_model_tp_plan entry {pattern!r}: {style!r} has no lightning-mm "
+                f"equivalent (known: {sorted(_HF_STYLES)}); pass tp_plan=... by hand for this model"
+            )
+        plan[f"{layout.decoder}.{pattern}"] = factory() if callable(factory) else factory
+    plan[layout.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    plan[layout.head] = ColwiseParallel(output_layouts=Replicate())
+    log.info(
+        "tensor parallel plan of %s: %s.base_model_tp_plan (%d entries) under %r, plus the vocab-sharded embedding "
+        "and LM head",
+        type(lm).__name__,
+        type(config).__name__,
+        len(declared),
+        layout.decoder + ".",
+    )
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------------ batches, loss
+
+
+def as_causal_lm_batch(batch: Any) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "attention_mask", "targets"}`` (each ``(R, T)`` long) from a batch.
+
+    Accepted: a :class:`~lightning_mm.batch.MultimodalBatch` with one caption per row (its ``labels`` are next-token
+    targets already; the image is ignored), or a mapping with ``input_ids`` and optional ``attention_mask`` /
+    ``labels`` in Hugging Face's convention (``labels`` aligned with ``input_ids``, shifted here; default: the
+    input ids where the mask is 1). ``targets[:, t]`` is the token to predict at position ``t``, ``-100`` for none.
+    """
+    if isinstance(batch, MultimodalBatch):
+        if batch.segment_slots > 1 and bool((batch.sample_ids[:, 1:] >= 0).any()):
+            raise ValueError(
+                "a causal LM needs one caption per row, but this MultimodalBatch packs several samples per row; use "
+                "regroup='none' or 'bucket' in the DataModule"
+            )
+        mask = (batch.token_segment >= 0).long()
+        return {"input_ids": batch.tokens, "attention_mask": mask, "targets": batch.labels}
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        input_ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask.long()
+        labels = batch.get("labels")
+        if labels is None:
+            labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+        return {"input_ids": input_ids, "attention_mask": mask, "targets": targets}
+    raise TypeError(
+        f"a causal LM batch must be a MultimodalBatch or a mapping with 'input_ids' (and optional "
+        f"'attention_mask', 'labels'), got {type(batch).__name__}"
+    )
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy (fp32). ``logits (R, T, V)``, ``targets (R, T)`` with ``-100`` = no loss."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def token_normalizer(targets: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Global count of target tokens over ``group`` divided by the group size: a rank's loss is its summed cross
+    entropy over this, so the data-parallel mean of the gradients is the gradient of the global token mean."""
+    count = all_reduce_sum((targets != IGNORE_INDEX).sum().float(), group)
+    return count.clamp(min=1.0) / group_size(group)
+
+
+class CausalLMObjective(PipelineObjective):
+    """The pipelined loss: each microbatch's summed cross entropy over the global normaliser (no statistics pass)."""
+
+    def __init__(self, microbatches: int) -> None:
+        self.microbatches = microbatches
+        self._normalizer = torch.ones(())
+        self._parts: list[torch.Tensor] = []
+
+    def begin(self, batch: Any, group: dist.ProcessGroup | None) -> None:
+        self._normalizer = token_normalizer(batch["targets"], group)
+        self._parts = []
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss_sum(logits, targets) / self._normalizer.to(logits.device)
+
+    def microbatch_loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self._loss(output, target)
+        self._parts.append(loss.detach())
+        return loss
+
+    def observe(self, output: Any, target: Any) -> None:
+        self._parts.append(self._loss(output, target).detach())
+
+    def values(self) -> dict[str, torch.Tensor]:
+        # The last `microbatches` parts: on the first step torch's pipelining calls the loss once more, on
+        # uninitialised tensors, to infer backward metadata.
+        return {"loss": torch.stack(self._parts[-self.microbatches :]).sum()}
+
+
+# ------------------------------------------------------------------------------------------------------ pipeline
+
+
+class CausalLMStage(nn.Module):
+    """One pipeline stage of a pruned causal LM: the decoder's own forward over the units this rank holds.
+
+    ``forward(x (R, T), attention_mask (R, T))``: ``x`` is ``input_ids`` on stage 0, the previous stage's hidden
+    states ``(R, T, H)`` after; returns ``(hidden (R, T, H), attention_mask)``, or the logits ``(R, T, V)`` on the
+    last stage.
+    """
+
+    def __init__(self, lm: nn.Module, first: bool, last: bool) -> None:
+        super().__init__()
+        self.lm = lm
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        decoder = self.lm.get_decoder()
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        hidden = decoder(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        if self.last:
+            return self.lm.get_output_embeddings()(hidden)
+        return hidden, attention_mask
+
+
+def _unit_costs(root: nn.Module, layout: DecoderLayout) -> dict[str, float]:
+    # Forward FLOPs per token ~ 2 x parameters of the matrices a token passes through (attention scores ignored);
+    # the embedding is a lookup.
+    costs = {layout.embed: 0.0}
+    for unit in layout.units[1:]:
+        costs[unit] = 2.0 * sum(p.numel() for p in root.get_submodule(unit).parameters())
+    return costs
+
+
+def _fixed_length_padder(max_length: int | None):
+    """Batch -> causal LM batch padded on the right to one sequence length (pipelining needs fixed shapes):
+    ``max_length``, or the first batch's length when None."""
+    length: list[int] = [max_length] if max_length else []
+
+    def prepare(batch: Any) -> dict[str, torch.Tensor]:
+        out = as_causal_lm_batch(batch)
+        current = out["input_ids"].shape[1]
+        if not length:
+            length.append(current)
+        if current > length[0]:
+            raise ValueError(
+                f"a batch of sequence length {current} is longer than the pipeline's fixed length {length[0]} "
+                "(pipelining needs one shape for every step): set max_length on the module to the longest length"
+            )
+        pad = length[0] - current
+        if pad:
+            out = {
+                "input_ids": F.pad(out["input_ids"], (0, pad), value=0),
+                "attention_mask": F.pad(out["attention_mask"], (0, pad), value=0),
+                "targets": F.pad(out["targets"], (0, pad), value=IGNORE_INDEX),
+            }
+        return out
+
+    return prepare
+
+
+def causal_lm_parallel_plan(
+    root: nn.Module,
+    lm: nn.Module,
+    *,
+    microbatches: int = 1,
+    max_length: int | None = None,
+    sequence_parallel: bool = False,
+    pipeline_shape: Sequence[int] | None = None,
+) -> ParallelPlan:
+    """The :class:`~lightning_mm.parallel.protocol.ParallelPlan` of the causal LM ``lm`` inside ``root`` (the
+    LightningModule; FQNs relative to it). ``max_length``: the fixed sequence length of pipelined batches (default:
+    the first batch's). ``pipeline_shape`` is the reference VLM's and not used here."""
+    layout = decoder_layout(root, lm)
+    if sequence_parallel:
+        raise ValueError(
+            f"sequence_parallel=True: the HF adapter has no sequence-parallel plan for {type(lm).__name__} yet; use "
+            "sequence_parallel=False"
+        )
+    blocks = [root.get_submodule(name) for name in layout.layers]
+    lora = _is_lora(root)
+
+    def check_degrees(degrees: Mapping[str, int]) -> None:
+        if degrees["tp"] > 1 and lora:
+            raise ValueError(
+                f"tensor_parallel={degrees['tp']} with LoRA adapters is not supported yet (the adapters wrap the "
+                "projections the TP plan shards); use data parallel (FSDP2) or pipeline parallel with LoRA"
+            )
+        if (degrees["tp"] > 1 or degrees["pp"] > 1) and _tied(lm):
+            raise ValueError(
+                f"{type(lm).__name__} ties its input embedding and LM head (tie_word_embeddings=True): "
+                "tensor_parallel / pipeline_parallel > 1 would split one weight two ways; untie them "
+                "(config tie_word_embeddings=False) or use data parallel only"
+            )
+        if degrees["pp"] > 1 and layout.model_type not in PIPELINE_FAMILIES:
+            raise ValueError(
+                f"pipeline_parallel={degrees['pp']}: the HF adapter pipelines the families {list(PIPELINE_FAMILIES)} "
+                f"(verified stage by stage), not {layout.model_type!r}; wrap your model in a LightningModule whose "
+                "forward is a chain of layers and pass pipeline_split=[...] with a pipeline_loss hook instead"
+            )
+        if degrees["ep"] > 1:
+            raise ValueError(f"expert_parallel={degrees['ep']}: {type(lm).__name__} declares no experts")
+
+    def build_stages(split: PipelineSplit, stage_ids: list[int]) -> list[nn.Module]:
+        (stage,) = stage_ids
+        prune_units(root, layout.units, set(split.stage_units(stage)))
+        return [CausalLMStage(lm, first=stage == 0, last=stage == split.num_stages - 1)]
+
+    def tp_plan() -> dict[str, str | ParallelStyle]:
+        return hf_tp_plan(layout, lm)
+
+    pipeline = PipelineSpec(
+        units=layout.units,
+        build_stages=build_stages,
+        inputs=lambda batch: (batch["input_ids"], batch["attention_mask"]),
+        target=lambda batch: batch["targets"],
+        objective=CausalLMObjective(microbatches),
+        unit_costs=lambda: _unit_costs(root, layout),
+        prepare_batch=_fixed_length_padder(max_length),
+        max_stages_per_rank=1,
+    )
+    return ParallelPlan(tp_plan=_LazyPlan(tp_plan), blocks=blocks, pipeline=pipeline, check_degrees=check_degrees)
+
+
+class _LazyPlan(Mapping):
+    """A TP plan built on first use: a model without a declared plan fails only when tensor parallel is asked for."""
+
+    def __init__(self, build) -> None:
+        self._build = build
+        self._plan: dict | None = None
+
+    def _get(self) -> dict:
+        if self._plan is None:
+            self._plan = self._build()
+        return self._plan
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
