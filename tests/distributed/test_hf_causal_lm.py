@@ -1,9 +1,10 @@
-"""A Hugging Face Llama-family causal LM (tiny config, no download) on every axis, against one process.
+"""Hugging Face models (tiny configs, no download) on every axis, against one process: a Llama-family causal LM
+and a LLaVA-style vision-language model (CLIP vision tower + projector + Llama decoder).
 
 fsdp2 (2 ranks), tp2 (2), pp2 (2, 1F1B, auto split) and pp2 x fsdp2 (4): 5 AdamW steps with gradient clipping on
 batches with padding; per-step losses equal one process on the whole batch within 1e-5 relative and the final
-weights within 5e-5 (Adam-normalised rounding, see the test). bf16-mixed under fsdp2 runs and stays
-within 2 % of the fp32 losses.
+weights within lr / 10 (Adam's rounding-level updates, see the test). bf16-mixed under fsdp2 runs and stays
+within 2 % of the fp32 losses. LLaVA: fsdp2 and pp2 (vision tower, projector and embeddings on stage 0) likewise.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lightning_mm.models.hf import HFCausalLMModule  # needs the [hf] extra (scr
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import LossRecorder, run_distributed
 
-GLOBAL_BATCH, LENGTH, STEPS, SEED, CLIP, VOCAB = 8, 12, 5, 0, 1.0, 96
+GLOBAL_BATCH, LENGTH, STEPS, SEED, CLIP, VOCAB, LR = 8, 12, 5, 0, 1.0, 96, 3e-3
 CONFIG = {
     "model_type": "llama",
     "vocab_size": VOCAB,
@@ -31,6 +32,23 @@ CONFIG = {
     "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }
+
+LLAVA_CONFIG = {
+    "model_type": "llava",
+    "text_config": {**{k: v for k, v in CONFIG.items() if k != "vocab_size"}, "vocab_size": VOCAB},
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "image_size": 16,
+        "patch_size": 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    },
+    "image_token_id": VOCAB - 1,
+    "tie_word_embeddings": False,
+}
+IMAGE_TOKENS = 16  # (16 / 4) ** 2 patch features per image (CLS dropped)
 
 MESHES = {
     "fsdp2": (2, {"data_parallel_shard": 2}),
@@ -45,17 +63,38 @@ def token_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(7)
     per = GLOBAL_BATCH // dp
     batches = []
-    for _ in range(STEPS):
-        # arithmetic sequences (random start, stride 1-3): learnable, so the loss falls within 5 steps
+    for _ in range(2):  # two global batches, alternated: seen again, so the loss falls within 5 steps
+        # arithmetic sequences (random start, stride 1-3)
         start = torch.randint(1, VOCAB, (GLOBAL_BATCH, 1), generator=gen)
         stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=gen)
-        ids = 1 + (start + stride * torch.arange(LENGTH)) % (VOCAB - 1)
+        ids = 1 + (start + stride * torch.arange(LENGTH)) % (VOCAB - 2)  # VOCAB - 1: the image token
         lengths = torch.randint(LENGTH // 2, LENGTH + 1, (GLOBAL_BATCH,), generator=gen)
         mask = (torch.arange(LENGTH)[None] < lengths[:, None]).long()
         labels = ids.masked_fill(mask == 0, -100)
         rows = slice(dp_rank * per, (dp_rank + 1) * per)
         batches.append({"input_ids": ids[rows], "attention_mask": mask[rows], "labels": labels[rows]})
+    return [batches[step % 2] for step in range(STEPS)]
+
+
+def image_text_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
+    """As :func:`token_batches`, each row prefixed by one image's placeholder tokens, with its pixels."""
+    pixels = torch.randn(2, GLOBAL_BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(11))
+    batches = []
+    for step, text in enumerate(token_batches(dp_rank, dp)):
+        rows = text["input_ids"].shape[0]
+        image = torch.full((rows, IMAGE_TOKENS), LLAVA_CONFIG["image_token_id"])
+        batches.append(
+            {
+                "input_ids": torch.cat([image, text["input_ids"]], dim=1),
+                "attention_mask": torch.cat([torch.ones_like(image), text["attention_mask"]], dim=1),
+                "labels": torch.cat([torch.full_like(image, -100), text["labels"]], dim=1),  # no loss on image tokens
+                "pixel_values": pixels[step % 2, dp_rank * rows : (dp_rank + 1) * rows],
+            }
+        )
     return batches
+
+
+MODELS = {"llama": (CONFIG, token_batches), "llava": (LLAVA_CONFIG, image_text_batches)}
 
 
 def trainer(devices: int, strategy, precision: str = "32-true", **kwargs) -> L.Trainer:
@@ -80,13 +119,14 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-def _fit(rank: int, world: int, mesh: str, precision: str) -> dict:
+def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
+    config, batches = MODELS[model]
     L.seed_everything(SEED, verbose=False)
-    module = HFCausalLMModule(config=CONFIG, learning_rate=1e-2)
+    module = HFCausalLMModule(config=config, learning_rate=LR)
     strategy = HybridParallelStrategy(**MESHES[mesh][1])
     fit = trainer(world, strategy, precision)
     dp_rank, dp = strategy_dp(rank, world, mesh)
-    fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(token_batches(dp_rank, dp), batch_size=None))
+    fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(dp_rank, dp), batch_size=None))
     return {"losses": fit.callbacks[0].losses, "params": {n: full(p) for n, p in module.named_parameters()}}
 
 
@@ -99,26 +139,27 @@ def strategy_dp(rank: int, world: int, mesh: str) -> tuple[int, int]:
 
 
 @functools.cache
-def parallel(mesh: str, precision: str = "32-true") -> list[dict]:
-    return run_distributed(_fit, MESHES[mesh][0], mesh, precision, timeout=300)
+def parallel(model: str, mesh: str, precision: str = "32-true") -> list[dict]:
+    return run_distributed(_fit, MESHES[mesh][0], model, mesh, precision, timeout=300)
 
 
 @functools.cache
-def reference() -> dict:
+def reference(model: str) -> dict:
+    config, batches = MODELS[model]
     L.seed_everything(SEED, verbose=False)
-    module = HFCausalLMModule(config=CONFIG, learning_rate=1e-2)
+    module = HFCausalLMModule(config=config, learning_rate=LR)
     fit = trainer(1, "auto")
-    fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(token_batches(0, 1), batch_size=None))
+    fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(0, 1), batch_size=None))
     return {"losses": fit.callbacks[0].losses, "params": {n: full(p) for n, p in module.named_parameters()}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_hf_llama_matches_one_process(mesh):
-    expected = reference()
+@pytest.mark.parametrize("model, mesh", [("llama", mesh) for mesh in MESHES] + [("llava", "fsdp2"), ("llava", "pp2")])
+def test_hf_model_matches_one_process(model, mesh):
+    expected = reference(model)
     assert len(expected["losses"]) == STEPS and expected["losses"][-1] < expected["losses"][0]
     merged: dict[str, torch.Tensor] = {}
-    results = parallel(mesh)
+    results = parallel(model, mesh)
     if mesh.startswith("pp"):  # each pipeline rank holds only its stage's layers
         assert all(len(r["params"]) < len(expected["params"]) for r in results)
     for result in results:
@@ -129,15 +170,16 @@ def test_hf_llama_matches_one_process(mesh):
             merged[name] = value
     assert set(merged) == set(expected["params"])  # FQNs unchanged; the pipeline stages together hold every weight
     for name, value in expected["params"].items():
-        # Adam divides by sqrt(v): an element whose gradient is ~0 moves by up to lr per step whatever the size of
-        # its (rounding-level) gradient, so weights get an absolute tolerance of a few lr x 1e-3 (lr = 1e-2).
-        torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=5e-5, msg=lambda m, n=name: f"{n}: {m}")
+        # Adam's first update of an element is lr * g / (|g| + eps): where g is at rounding level (measured: 6.5e-9
+        # for one o_proj element at step 0, median |g| 5e-3), rounding decides a sizeable fraction of lr. Weights
+        # therefore get an absolute tolerance of lr / 10; the per-step losses above are the tight check.
+        torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=LR / 10, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.slow
 def test_hf_llama_bf16_mixed_tracks_fp32():
-    expected = torch.tensor(reference()["losses"])
-    for result in parallel("fsdp2", "bf16-mixed"):
+    expected = torch.tensor(reference("llama")["losses"])
+    for result in parallel("llama", "fsdp2", "bf16-mixed"):
         losses = torch.tensor(result["losses"])
         assert torch.isfinite(losses).all()
         # bf16 compute, fp32 master weights and reductions: within 2 % of the fp32 run over 5 steps.

@@ -1,9 +1,10 @@
 """Hugging Face ``transformers`` models on every axis of the mesh (optional extra: ``pip install "lightning-mm[hf]"``).
 
-* :class:`HFCausalLMModule`: a LightningModule around a decoder-only causal LM (Llama / Mistral / Qwen2 family),
-  optionally with LoRA adapters (``peft``), that declares its own parallelization
-  (:func:`~lightning_mm.models.hf.parallelize.causal_lm_parallel_plan`): FSDP2 units, tensor parallel from the
-  model's ``base_model_tp_plan``, a pipeline split with the global-token-count loss.
+* :class:`HFCausalLMModule`: a LightningModule around a decoder-only causal LM (Llama / Mistral / Qwen2 family) or a
+  LLaVA-style vision-language model (vision tower + projector + such a decoder), optionally with LoRA (``peft``),
+  that declares its own parallelization (:func:`~lightning_mm.models.hf.parallelize.causal_lm_parallel_plan`):
+  FSDP2 units, tensor parallel from the model's ``base_model_tp_plan``, a pipeline split with the global-token-count
+  loss.
 * :func:`~lightning_mm.models.hf.export.export_pretrained`: a checkpoint of any mesh -> a directory that
   ``AutoModelForCausalLM.from_pretrained`` (or ``PeftModel.from_pretrained`` for adapters) loads.
 
@@ -24,6 +25,7 @@ from lightning_mm.models.hf.export import export_pretrained
 from lightning_mm.models.hf.module import HFCausalLMModule
 from lightning_mm.models.hf.parallelize import (
     PIPELINE_FAMILIES,
+    PIPELINE_VISION_LANGUAGE,
     CausalLMObjective,
     CausalLMStage,
     DecoderLayout,
@@ -35,6 +37,7 @@ from lightning_mm.models.hf.parallelize import (
 
 __all__ = [
     "PIPELINE_FAMILIES",
+    "PIPELINE_VISION_LANGUAGE",
     "CausalLMObjective",
     "CausalLMStage",
     "DecoderLayout",

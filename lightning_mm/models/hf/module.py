@@ -32,8 +32,9 @@ def build_causal_lm(
 ) -> nn.Module:
     """A ``transformers`` causal LM from a config dict (``{"model_type": "llama", "hidden_size": 64, ...}``; random
     init from the current seed) or from a *local* directory with safetensors weights (nothing is downloaded and no
-    pickle is read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    pickle is read). A config with a ``vision_config`` (``model_type: llava``) builds an image-text-to-text model;
+    ``vocab_size`` then applies to its text config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if (config is None) == (pretrained is None):
         raise ValueError("give exactly one of config (a dict with 'model_type') or pretrained (a local directory)")
@@ -41,21 +42,25 @@ def build_causal_lm(
         path = Path(pretrained)
         if not path.is_dir():
             raise FileNotFoundError(f"pretrained={pretrained!r} is not a local directory (nothing is downloaded)")
-        return AutoModelForCausalLM.from_pretrained(
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        auto = AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
+        return auto.from_pretrained(
             path, local_files_only=True, use_safetensors=True, attn_implementation=attn_implementation
         )
     config = dict(config)
     model_type = config.pop("model_type", None)
     if not model_type:
         raise ValueError(f"config must name its 'model_type' (e.g. 'llama'), got keys {sorted(config)}")
-    if vocab_size is not None:
-        config["vocab_size"] = int(vocab_size)
     hf_config = AutoConfig.for_model(model_type, **config)
-    return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+    if vocab_size is not None:
+        hf_config.get_text_config().vocab_size = int(vocab_size)
+    auto = AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
+    return auto.from_config(hf_config, attn_implementation=attn_implementation)
 
 
 class HFCausalLMModule(L.LightningModule):
-    """Next-token training of a Hugging Face decoder-only causal LM (Llama / Mistral / Qwen2 family).
+    """Next-token training of a Hugging Face decoder-only causal LM (Llama / Mistral / Qwen2 family) or of a LLaVA-style
+    vision-language model (``model_type: llava``; batches then carry ``pixel_values``).
 
     Args:
         config: the model's config as a dict with ``model_type`` (built from the current seed, no download).
@@ -119,13 +124,19 @@ class HFCausalLMModule(L.LightningModule):
             pipeline_shape=pipeline_shape,
         )
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``input_ids (R, T)`` -> logits ``(R, T, V)``."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``input_ids (R, T)`` (and for a LLaVA-style model ``pixel_values (R, 3, H, W)``) -> logits ``(R, T, V)``."""
+        extra = {} if pixel_values is None else {"pixel_values": pixel_values}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         data = as_causal_lm_batch(batch)
-        logits = self(data["input_ids"], data["attention_mask"])
+        logits = self(data["input_ids"], data["attention_mask"], data.get("pixel_values"))
         normalizer = token_normalizer(data["targets"], data_parallel_group(self._trainer))
         return causal_lm_loss_sum(logits, data["targets"]) / normalizer, data
 

@@ -49,6 +49,7 @@ from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, Pipe
 
 __all__ = [
     "PIPELINE_FAMILIES",
+    "PIPELINE_VISION_LANGUAGE",
     "CausalLMObjective",
     "CausalLMStage",
     "DecoderLayout",
@@ -62,7 +63,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2")
-"""``config.model_type`` values whose decoder ``forward`` is verified to compose stage by stage."""
+"""Text decoders (``model_type``) whose ``forward`` is verified to compose stage by stage."""
+
+PIPELINE_VISION_LANGUAGE = ("llava",)
+"""Vision-language models (``model_type``) whose base model's forward is verified as pipeline stage 0 (over one of
+:data:`PIPELINE_FAMILIES`)."""
 
 _HF_STYLES: dict[str, Any] = {
     "colwise": "colwise",
@@ -82,14 +87,22 @@ class DecoderLayout:
     """FQNs, relative to the LightningModule, of a decoder-only causal LM's parts."""
 
     lm: str
-    """The ``*ForCausalLM`` module."""
+    """The ``*ForCausalLM`` (or ``*ForConditionalGeneration``) module."""
     decoder: str
-    """Its decoder (``LlamaModel`` ...): what ``base_model_tp_plan`` patterns are relative to."""
+    """Its text decoder (``LlamaModel`` ...): what ``base_model_tp_plan`` patterns are relative to."""
     embed: str
     layers: list[str]
     norm: str
     head: str
     model_type: str
+    """``config.model_type`` of the whole model (``"llama"``, ``"llava"``)."""
+    text_model_type: str
+    """``model_type`` of the text decoder's config (``"llama"`` for a LLaVA over Llama)."""
+    entry: str
+    """The module stage 0 calls: the decoder, or for a vision-language model its base model (``LlavaModel``), whose
+    forward encodes the images and scatters them into the text embeddings before running the decoder."""
+    stem: list[str]
+    """Modules of the base model besides the decoder (vision tower, projector): held by stage 0 only."""
 
     @property
     def units(self) -> list[str]:
@@ -136,6 +149,21 @@ def decoder_layout(root: nn.Module, lm: nn.Module) -> DecoderLayout:
         )
     base = _name_of(root, decoder, "the decoder")
     config = getattr(lm, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    # The base model (base_model_prefix): the decoder itself for a causal LM; for a LLaVA-style model the module that
+    # holds vision tower, projector and decoder.
+    entry_module = getattr(lm, "base_model", decoder)
+    entry_module = entry_module if isinstance(entry_module, nn.Module) else decoder
+    entry = _name_of(root, entry_module, "the base model")
+    stem = (
+        []
+        if entry_module is decoder
+        else [
+            f"{entry}.{name}"
+            for name, child in entry_module.named_children()
+            if child is not decoder and any(True for _ in child.parameters())
+        ]
+    )
     return DecoderLayout(
         lm=_name_of(root, lm, "the causal LM"),
         decoder=base,
@@ -144,7 +172,21 @@ def decoder_layout(root: nn.Module, lm: nn.Module) -> DecoderLayout:
         norm=f"{base}.norm",
         head=_name_of(root, head, "the LM head"),
         model_type=str(getattr(config, "model_type", type(lm).__name__)),
+        text_model_type=str(getattr(text_config, "model_type", "")),
+        entry=entry,
+        stem=stem,
     )
+
+
+def _stem_blocks(root: nn.Module, layout: DecoderLayout) -> list[nn.Module]:
+    """FSDP / checkpointing units of the stem: the items of the longest ``ModuleList`` inside each stem module (the
+    vision tower's encoder layers)."""
+    blocks: list[nn.Module] = []
+    for name in layout.stem:
+        lists = [m for m in root.get_submodule(name).modules() if isinstance(m, nn.ModuleList)]
+        if lists:
+            blocks.extend(max(lists, key=len))
+    return blocks
 
 
 def _tied(lm: nn.Module) -> bool:
@@ -221,7 +263,10 @@ def as_causal_lm_batch(batch: Any) -> dict[str, torch.Tensor]:
         if labels.shape != input_ids.shape:
             raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
-        return {"input_ids": input_ids, "attention_mask": mask, "targets": targets}
+        out = {"input_ids": input_ids, "attention_mask": mask, "targets": targets}
+        if batch.get("pixel_values") is not None:  # a LLaVA-style model: (R, 3, H, W), one image per row
+            out["pixel_values"] = batch["pixel_values"]
+        return out
     raise TypeError(
         f"a causal LM batch must be a MultimodalBatch or a mapping with 'input_ids' (and optional "
         f"'attention_mask', 'labels'), got {type(batch).__name__}"
@@ -280,15 +325,22 @@ class CausalLMStage(nn.Module):
     last stage.
     """
 
-    def __init__(self, lm: nn.Module, first: bool, last: bool) -> None:
+    def __init__(self, lm: nn.Module, entry: nn.Module, first: bool, last: bool) -> None:
         super().__init__()
         self.lm = lm
+        # Not registered as a child (it is inside `lm` already); stage 0 calls it.
+        self._entry = [entry]
         self.first, self.last = first, last
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> Any:
-        decoder = self.lm.get_decoder()
-        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        hidden = decoder(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, pixel_values: torch.Tensor | None = None) -> Any:
+        """``pixel_values (R, 3, H, W)``: stage 0 of a vision-language model (one image per row)."""
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False}
+        if self.first:
+            if pixel_values is not None:
+                kwargs["pixel_values"] = pixel_values
+            hidden = self._entry[0](input_ids=x, **kwargs).last_hidden_state
+        else:
+            hidden = self.lm.get_decoder()(inputs_embeds=x, **kwargs).last_hidden_state
         if self.last:
             return self.lm.get_output_embeddings()(hidden)
         return hidden, attention_mask
@@ -297,7 +349,8 @@ class CausalLMStage(nn.Module):
 def _unit_costs(root: nn.Module, layout: DecoderLayout) -> dict[str, float]:
     # Forward FLOPs per token ~ 2 x parameters of the matrices a token passes through (attention scores ignored);
     # the embedding is a lookup.
-    costs = {layout.embed: 0.0}
+    # The stem (vision tower, projector) runs on stage 0 with the embedding: its cost counts there.
+    costs = {layout.embed: sum(2.0 * sum(p.numel() for p in root.get_submodule(m).parameters()) for m in layout.stem)}
     for unit in layout.units[1:]:
         costs[unit] = 2.0 * sum(p.numel() for p in root.get_submodule(unit).parameters())
     return costs
@@ -321,6 +374,7 @@ def _fixed_length_padder(max_length: int | None):
         pad = length[0] - current
         if pad:
             out = {
+                **out,
                 "input_ids": F.pad(out["input_ids"], (0, pad), value=0),
                 "attention_mask": F.pad(out["attention_mask"], (0, pad), value=0),
                 "targets": F.pad(out["targets"], (0, pad), value=IGNORE_INDEX),
@@ -348,7 +402,7 @@ def causal_lm_parallel_plan(
             f"sequence_parallel=True: the HF adapter has no sequence-parallel plan for {type(lm).__name__} yet; use "
             "sequence_parallel=False"
         )
-    blocks = [root.get_submodule(name) for name in layout.layers]
+    blocks = _stem_blocks(root, layout) + [root.get_submodule(name) for name in layout.layers]
     lora = _is_lora(root)
 
     def check_degrees(degrees: Mapping[str, int]) -> None:
@@ -363,9 +417,13 @@ def causal_lm_parallel_plan(
                 "tensor_parallel / pipeline_parallel > 1 would split one weight two ways; untie them "
                 "(config tie_word_embeddings=False) or use data parallel only"
             )
-        if degrees["pp"] > 1 and layout.model_type not in PIPELINE_FAMILIES:
+        known = layout.text_model_type in PIPELINE_FAMILIES and (
+            not layout.stem or layout.model_type in PIPELINE_VISION_LANGUAGE
+        )
+        if degrees["pp"] > 1 and not known:
             raise ValueError(
-                f"pipeline_parallel={degrees['pp']}: the HF adapter pipelines the families {list(PIPELINE_FAMILIES)} "
+                f"pipeline_parallel={degrees['pp']}: the HF adapter pipelines the text decoders "
+                f"{list(PIPELINE_FAMILIES)} and the vision-language models {list(PIPELINE_VISION_LANGUAGE)} "
                 f"(verified stage by stage), not {layout.model_type!r}; wrap your model in a LightningModule whose "
                 "forward is a chain of layers and pass pipeline_split=[...] with a pipeline_loss hook instead"
             )
@@ -374,8 +432,10 @@ def causal_lm_parallel_plan(
 
     def build_stages(split: PipelineSplit, stage_ids: list[int]) -> list[nn.Module]:
         (stage,) = stage_ids
-        prune_units(root, layout.units, set(split.stage_units(stage)))
-        return [CausalLMStage(lm, first=stage == 0, last=stage == split.num_stages - 1)]
+        keep = set(split.stage_units(stage)) | (set(layout.stem) if stage == 0 else set())
+        prune_units(root, layout.stem + layout.units, keep)
+        entry = root.get_submodule(layout.entry)
+        return [CausalLMStage(lm, entry, first=stage == 0, last=stage == split.num_stages - 1)]
 
     def tp_plan() -> dict[str, str | ParallelStyle]:
         return hf_tp_plan(layout, lm)
@@ -383,7 +443,10 @@ def causal_lm_parallel_plan(
     pipeline = PipelineSpec(
         units=layout.units,
         build_stages=build_stages,
-        inputs=lambda batch: (batch["input_ids"], batch["attention_mask"]),
+        inputs=lambda batch: (
+            (batch["input_ids"], batch["attention_mask"])
+            + ((batch["pixel_values"],) if "pixel_values" in batch else ())
+        ),
         target=lambda batch: batch["targets"],
         objective=CausalLMObjective(microbatches),
         unit_costs=lambda: _unit_costs(root, layout),

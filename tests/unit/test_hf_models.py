@@ -1,0 +1,186 @@
+"""The Hugging Face adapter in one process: structure detection, stage-by-stage composition per supported family, the
+TP plan taken from ``base_model_tp_plan``, batches, and the errors that say what to do (tiny configs, no download)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightning_mm.batch import IGNORE_INDEX
+from lightning_mm.models.hf import HFCausalLMModule, as_causal_lm_batch, decoder_layout
+from lightning_mm.parallel.pipeline import explicit_split
+from lightning_mm.parallel.plans import resolve_plan
+from tests.helpers import random_samples
+
+TEXT = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+LLAVA = {
+    "model_type": "llava",
+    "text_config": {"model_type": "llama", **TEXT},
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "image_size": 16,
+        "patch_size": 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    },
+    "image_token_id": 95,
+    "tie_word_embeddings": False,
+}
+IMAGE_TOKENS = 16  # (16 / 4) ** 2 patches; the CLS feature is dropped ("default" feature selection)
+DEGREES = {"pp": 1, "tp": 1, "ep": 1, "dp": 1}
+
+
+def module(model_type: str, **overrides) -> HFCausalLMModule:
+    torch.manual_seed(0)
+    config = copy.deepcopy(LLAVA) if model_type == "llava" else {"model_type": model_type, **TEXT}
+    config.update(overrides)
+    return HFCausalLMModule(config=config)
+
+
+def inputs(model_type: str) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 90, (3, 24), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 19:] = 0  # right padding
+    if model_type != "llava":
+        return ids, mask
+    ids[:, :IMAGE_TOKENS] = LLAVA["image_token_id"]
+    return ids, mask, torch.randn(3, 3, 16, 16, generator=gen)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "llava"])
+def test_stages_compose_to_the_whole_model(model_type):
+    whole = module(model_type)
+    args = inputs(model_type)
+    expected = whole(*args)
+    spec = whole.parallel_plan(microbatches=1).pipeline
+    split = explicit_split(spec.units, [spec.units[2], spec.units[4]], 3)  # embed+layer0 | layers 1-2 | layer 3+head
+    out, held = args, []
+    for stage in range(3):
+        copy_ = copy.deepcopy(whole)
+        (stage_module,) = copy_.parallel_plan(microbatches=1).pipeline.build_stages(split, [stage])
+        held.append({name for name, _ in copy_.named_parameters()})
+        out = stage_module(*out)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    every = {name for name, _ in whole.named_parameters()}
+    assert set.union(*held) == every and sum(len(h) for h in held) == len(every)  # each weight on exactly one stage
+    if model_type == "llava":  # the vision tower and projector live on stage 0 only
+        assert any(".vision_tower." in name for name in held[0])
+        assert not any(".vision_tower." in name or "multi_modal_projector" in name for name in held[1] | held[2])
+
+
+def test_tp_plan_is_the_models_own_resolved_under_the_lightning_module():
+    lightning_module = module("llama")
+    plan = lightning_module.parallel_plan().tp_plan
+    assert plan["model.model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.model.layers.*.mlp.down_proj"] == "rowwise"
+    assert isinstance(plan["model.model.embed_tokens"], RowwiseParallel)  # vocab-sharded table
+    assert isinstance(plan["model.lm_head"], ColwiseParallel)  # vocab-sharded head, gathered logits
+    styles = resolve_plan(lightning_module, plan)  # every pattern matches a module (the plan "matched nothing" before)
+    assert len([fqn for fqn in styles if fqn.endswith("q_proj")]) == TEXT["num_hidden_layers"]
+
+
+def test_llava_tp_plan_is_the_text_decoders():
+    plan = module("llava").parallel_plan().tp_plan
+    assert "model.model.language_model.layers.*.self_attn.k_proj" in plan
+
+
+def test_unknown_tp_style_is_refused_naming_the_entry():
+    lightning_module = module("qwen3", head_dim=8)
+    with pytest.raises(ValueError, match=r"q_norm.*replicated_with_grad_allreduce.*tp_plan"):
+        dict(lightning_module.parallel_plan().tp_plan)
+
+
+def test_unknown_structure_names_what_is_missing():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=32))
+    lightning_module = HFCausalLMModule(model=gpt2)
+    with pytest.raises(ValueError, match=r"decoder.embed_tokens.*decoder.layers.*pipeline_split"):
+        lightning_module.parallel_plan()
+
+
+def test_pipeline_of_an_unverified_family_is_refused():
+    check = module("gemma", head_dim=8).parallel_plan().check_degrees
+    check(DEGREES)  # data parallel is fine
+    with pytest.raises(ValueError, match=r"pipeline_parallel=2.*'gemma'.*pipeline_split"):
+        check({**DEGREES, "pp": 2})
+
+
+def test_tied_embeddings_are_refused_under_tp_and_pp():
+    check = module("llama", tie_word_embeddings=True).parallel_plan().check_degrees
+    check({**DEGREES, "dp": 4})
+    for axis in ("tp", "pp"):
+        with pytest.raises(ValueError, match="tie_word_embeddings"):
+            check({**DEGREES, axis: 2})
+
+
+def test_lora_with_tensor_parallel_is_refused():
+    torch.manual_seed(0)
+    lora = HFCausalLMModule(config={"model_type": "llama", **TEXT}, lora={"r": 2, "target_modules": ["q_proj"]})
+    plan = lora.parallel_plan()
+    assert decoder_layout(lora, lora.causal_lm).layers[0] == "model.base_model.model.model.layers.0"
+    plan.check_degrees({**DEGREES, "pp": 2})
+    with pytest.raises(ValueError, match=r"tensor_parallel=2 with LoRA"):
+        plan.check_degrees({**DEGREES, "tp": 2})
+
+
+def test_kv_heads_must_divide_over_tensor_parallel():
+    from lightning_mm.parallel.plans import _check_divisibility
+
+    lightning_module = module("llama")
+    styles = resolve_plan(lightning_module, lightning_module.parallel_plan().tp_plan)
+    _check_divisibility(lightning_module, styles, 2)
+    with pytest.raises(ValueError, match=r"key/value heads"):
+        _check_divisibility(lightning_module, styles, 4)  # 4 query heads split, but 2 KV heads cannot
+
+
+def test_batches():
+    ids = torch.tensor([[5, 6, 7, 0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = as_causal_lm_batch({"input_ids": ids, "attention_mask": mask})
+    assert out["targets"].tolist() == [[6, 7, IGNORE_INDEX, IGNORE_INDEX]]  # shifted, padding ignored
+    from lightning_mm.datamodules.regroup import collate_packed
+    from lightning_mm.datamodules.stages import collate_one_per_row
+
+    samples = random_samples(4, vocab_size=50)
+    single = as_causal_lm_batch(collate_one_per_row(samples, pad_id=0))
+    assert single["input_ids"].shape == single["targets"].shape
+    packed = collate_packed([samples[:2], samples[2:]], max_patches_per_row=64, max_tokens_per_row=64, pad_id=0)
+    with pytest.raises(ValueError, match="one caption per row.*regroup"):
+        as_causal_lm_batch(packed)
+    with pytest.raises(TypeError, match="input_ids"):
+        as_causal_lm_batch([ids])
+
+
+def test_pipelined_batches_need_one_length():
+    prepare = module("llama").parallel_plan().pipeline.prepare_batch
+    first = prepare({"input_ids": torch.ones(2, 6, dtype=torch.long)})
+    padded = prepare({"input_ids": torch.ones(2, 4, dtype=torch.long)})
+    assert padded["input_ids"].shape == first["input_ids"].shape and padded["attention_mask"][:, 4:].sum() == 0
+    with pytest.raises(ValueError, match="max_length"):
+        prepare({"input_ids": torch.ones(2, 8, dtype=torch.long)})
+
+
+def test_construction_errors(tmp_path):
+    with pytest.raises(ValueError, match="model_type"):
+        HFCausalLMModule(config={"hidden_size": 32})
+    with pytest.raises(FileNotFoundError, match="not a local directory"):
+        HFCausalLMModule(pretrained=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="exactly one"):
+        HFCausalLMModule()
