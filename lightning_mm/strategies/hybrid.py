@@ -27,7 +27,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +39,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -669,6 +670,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._warn_if_resume_replays_batches(self.lightning_module.trainer)
         if self._pipeline is not None:
             # The schedule has run backward inside training_step: Lightning must neither zero the gradients after it
             # (its closure's zero_grad would silently discard them) nor run its own backward.
@@ -679,6 +681,45 @@ class HybridParallelStrategy(ModelParallelStrategy):
         super().on_train_end()
         if self._pipeline is not None:
             skip_lightning_backward(self.lightning_module.trainer, False)
+
+    def _warn_if_resume_replays_batches(self, trainer: pl.Trainer) -> None:
+        """Warn when this fit resumed from a checkpoint taken mid-epoch and nothing restores the data position.
+
+        Lightning restores the loops (steps, epoch, the batches the epoch had done), but a plain DataLoader begins
+        the epoch again with its first batch, so those batches are trained on twice. The position is restored by a
+        train loader with ``state_dict`` / ``load_state_dict`` (torchdata's ``StatefulDataLoader``: Lightning saves
+        and reloads its state) or by a DataModule that overrides ``load_state_dict`` (``ImageTextWebDataModule``
+        skips the consumed batches).
+        """
+        if trainer.ckpt_path is None:
+            return
+        epoch = trainer.fit_loop.epoch_progress.current
+        batches = trainer.fit_loop.epoch_loop.batch_progress
+        # Mid-epoch: the restored epoch had started, had drawn batches and was not finished (Lightning's fit loop
+        # counts an epoch whose last batch was done as finished, and resumes with the next one).
+        if epoch.started <= epoch.processed or batches.current.ready == 0:
+            return
+        loaders = trainer.train_dataloader
+        if isinstance(loaders, Mapping):
+            loaders = list(loaders.values())
+        elif not isinstance(loaders, (list, tuple)):
+            loaders = [loaders]
+        if loaders and all(
+            callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+            for loader in loaders
+        ):
+            return
+        datamodule = trainer.datamodule
+        if datamodule is not None and is_overridden("load_state_dict", datamodule, pl.LightningDataModule):
+            return
+        rank_zero_warn(
+            f"Resumed from {trainer.ckpt_path}, taken in the middle of epoch {trainer.current_epoch} after "
+            f"{batches.current.ready} batch(es), but neither the train dataloader (no state_dict / load_state_dict) "
+            "nor the DataModule can restore the data position: the epoch restarts from its first batch, so batches "
+            "trained on before the checkpoint are replayed. Use a stateful loader "
+            "(torchdata.stateful_dataloader.StatefulDataLoader) or lightning-mm's ImageTextWebDataModule, which "
+            "resume the epoch where the checkpoint left it."
+        )
 
     def record_timeline(self, step: int, path: str | Path | None = None) -> None:
         """Record the start / end of every forward and backward chunk on every rank at optimizer step ``step``; rank
