@@ -4,7 +4,8 @@ and a LLaVA-style vision-language model (CLIP vision tower + projector + Llama d
 fsdp2 (2 ranks), tp2 (2), pp2 (2, 1F1B, auto split) and pp2 x fsdp2 (4): 5 AdamW steps with gradient clipping on
 batches with padding; per-step losses equal one process on the whole batch within 1e-5 relative and the final
 weights within lr / 10 (Adam's rounding-level updates, see the test). bf16-mixed under fsdp2 runs and stays
-within 2 % of the fp32 losses. LLaVA: fsdp2 and pp2 (vision tower, projector and embeddings on stage 0) likewise.
+within 2 % of the fp32 losses. LLaVA: fsdp2 and pp2 (vision tower, projector and embeddings on stage 0) likewise;
+Llama with LoRA adapters: pp2 (the adapters travel with their layers). fsdp2 with activation checkpointing too.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ IMAGE_TOKENS = 16  # (16 / 4) ** 2 patch features per image (CLS dropped)
 MESHES = {
     "fsdp2": (2, {"data_parallel_shard": 2}),
     "tp2": (2, {"tensor_parallel": 2, "data_parallel_shard": 1}),
+    "fsdp2_ac": (2, {"data_parallel_shard": 2, "activation_checkpointing": True}),  # decoder layers recomputed
     "pp2": (2, {"pipeline_parallel": 2, "data_parallel_shard": 1, "microbatches": 2}),
     "pp2_fsdp2": (4, {"pipeline_parallel": 2, "data_parallel_shard": 2, "microbatches": 2}),
 }
@@ -94,7 +96,12 @@ def image_text_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-MODELS = {"llama": (CONFIG, token_batches), "llava": (LLAVA_CONFIG, image_text_batches)}
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+MODELS = {
+    "llama": (CONFIG, token_batches, {}),
+    "llama_lora": (CONFIG, token_batches, {"lora": LORA}),  # the adapters follow their layers onto the stages
+    "llava": (LLAVA_CONFIG, image_text_batches, {}),
+}
 
 
 def trainer(devices: int, strategy, precision: str = "32-true", **kwargs) -> L.Trainer:
@@ -120,9 +127,9 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
-    config, batches = MODELS[model]
+    config, batches, extra = MODELS[model]
     L.seed_everything(SEED, verbose=False)
-    module = HFCausalLMModule(config=config, learning_rate=LR)
+    module = HFCausalLMModule(config=config, learning_rate=LR, **extra)
     strategy = HybridParallelStrategy(**MESHES[mesh][1])
     fit = trainer(world, strategy, precision)
     dp_rank, dp = strategy_dp(rank, world, mesh)
@@ -145,16 +152,18 @@ def parallel(model: str, mesh: str, precision: str = "32-true") -> list[dict]:
 
 @functools.cache
 def reference(model: str) -> dict:
-    config, batches = MODELS[model]
+    config, batches, extra = MODELS[model]
     L.seed_everything(SEED, verbose=False)
-    module = HFCausalLMModule(config=config, learning_rate=LR)
+    module = HFCausalLMModule(config=config, learning_rate=LR, **extra)
     fit = trainer(1, "auto")
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(0, 1), batch_size=None))
     return {"losses": fit.callbacks[0].losses, "params": {n: full(p) for n, p in module.named_parameters()}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, mesh", [("llama", mesh) for mesh in MESHES] + [("llava", "fsdp2"), ("llava", "pp2")])
+@pytest.mark.parametrize(
+    "model, mesh", [("llama", mesh) for mesh in MESHES] + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
+)
 def test_hf_model_matches_one_process(model, mesh):
     expected = reference(model)
     assert len(expected["losses"]) == STEPS and expected["losses"][-1] < expected["losses"][0]
