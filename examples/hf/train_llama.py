@@ -7,7 +7,7 @@ synthetic dataset with ``HybridParallelStrategy``, then export the last checkpoi
     .venv/bin/python examples/hf/train_llama.py --devices 2 --tensor-parallel 2      # tensor parallel
     .venv/bin/python examples/hf/train_llama.py --devices 2 --lora                   # LoRA adapters, FSDP2
 
-The output directory (``--out``, default ``runs/hf_llama``) gets ``checkpoints/last.ckpt`` (a sharded checkpoint
+The output directory (``--out``, default ``runs/train_llama``) gets ``checkpoints/last.ckpt`` (a sharded checkpoint
 directory, loadable on any mesh) and ``hf/`` (``AutoModelForCausalLM.from_pretrained(hf)``; with ``--lora``:
 the adapters, ``PeftModel.from_pretrained(base, hf)``), the same as ``lightning-mm export-hf CKPT OUT``.
 """
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters on q/v projections only")
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8, help="captions per batch and data-parallel rank")
-    parser.add_argument("--out", default="runs/hf_llama", help="checkpoints and the exported model go here")
+    parser.add_argument("--out", default="runs/train_llama", help="checkpoints and the exported model go here")
     return parser.parse_args(argv)
 
 
