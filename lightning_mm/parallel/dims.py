@@ -242,6 +242,58 @@ class ParallelDims:
         extra = (DP_SHARD_MOD_EP, MeshAxis.EP.value) if self.ep_enabled else ()
         return (*WORLD_AXES, DP, *extra)
 
+    # ------------------------------------------------------------------ nodes
+    def axis_span(self, axis: str) -> int:
+        """Consecutive global ranks one group of ``axis`` spans (its size times the sizes of the axes inside it):
+        ``tp`` -> tp; ``ep`` -> ep x tp (ep is the inner part of dp_shard); ``dp_shard`` -> dp_shard x tp; ..."""
+        inner = {"tp": 1, "ep": self.tp, "dp_shard": self.tp, "dp_replicate": self.tp * self.dp_shard}
+        inner["pp"] = inner["dp_replicate"] * self.dp_replicate
+        sizes = {"tp": self.tp, "ep": self.ep, "dp_shard": self.dp_shard, "dp_replicate": self.dp_replicate}
+        sizes["pp"] = self.pp
+        if axis not in sizes:
+            raise ValueError(f"axis must be one of {sorted(sizes)}, got {axis!r}")
+        return sizes[axis] * inner[axis]
+
+    def within_node(self, axis: str, ranks_per_node: int) -> bool:
+        """Every group of ``axis`` lies inside one node, when nodes hold ``ranks_per_node`` consecutive ranks (the
+        numbering of torchrun and SLURM: global rank = node rank x ranks per node + local rank)."""
+        return ranks_per_node % self.axis_span(axis) == 0
+
+    def check_nodes(self, ranks_per_node: int, allow_cross_node: bool = False) -> list[str]:
+        """Refuse a mesh whose tensor- or expert-parallel groups would span nodes: their collectives run in every
+        layer (TP's all-reduces, EP's all-to-alls) and would cross the slow inter-node link. Raises ``ValueError``
+        naming the degrees and the node size; with ``allow_cross_node`` returns the same findings as warnings.
+        Data-parallel and pipeline axes may span nodes (HSDP's replicate axis is meant to)."""
+        if not _is_int(ranks_per_node) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
+        if self.world_size % ranks_per_node:
+            raise ValueError(f"world size {self.world_size} is not a multiple of {ranks_per_node} ranks per node")
+        findings = []
+        for axis, name, size in (("tp", "tensor_parallel", self.tp), ("ep", "expert_parallel", self.ep)):
+            if size > 1 and not self.within_node(axis, ranks_per_node):
+                span = self.axis_span(axis)
+                findings.append(
+                    f"{name}={size} groups span {span} consecutive ranks"
+                    + (f" (expert_parallel x tensor_parallel = {self.ep} x {self.tp})" if axis == "ep" else "")
+                    + f", which does not fit nodes of {ranks_per_node} devices: its per-layer collectives would cross "
+                    f"nodes; choose {name} so that the span divides {ranks_per_node}"
+                )
+        if findings and not allow_cross_node:
+            raise ValueError("; ".join(findings) + " (or pass allow_cross_node_groups=True to run it anyway, slowly)")
+        return findings
+
+    def describe_nodes(self, ranks_per_node: int) -> str:
+        """E.g. ``"2 nodes x 2 local ranks: dp_shard2 inside nodes, dp_replicate2 across nodes"``."""
+        nodes = self.world_size // ranks_per_node
+        parts = []
+        for axis in ("tp", "ep", "dp_shard", "dp_replicate", "pp"):
+            size = getattr(self, axis)
+            if size > 1:
+                where = "inside nodes" if self.within_node(axis, ranks_per_node) else "across nodes"
+                parts.append(f"{axis}{size} {where}")
+        layout = ", ".join(parts) if parts else "no parallel axes"
+        return f"{nodes} node(s) x {ranks_per_node} local rank(s): {layout}"
+
     # ------------------------------------------------------------------ mesh
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """Create (once) and return the world mesh with dims ``("pp", "dp_replicate", "dp_shard", "tp")``.

@@ -39,7 +39,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -153,6 +153,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         cpu_offload: FSDP2 ``CPUOffloadPolicy`` (sharded parameters, gradients and optimizer step on the CPU).
         save_distributed_checkpoint: ``True`` (default) writes DCP directories that reshard on load;
             ``False`` gathers one full file on rank 0 (Lightning's behaviour).
+        allow_cross_node_groups: with ``num_nodes > 1`` a mesh whose tensor- or expert-parallel groups would span
+            nodes is refused (their collectives run in every layer; the mesh keeps tp, then ep, innermost, and
+            ranks are numbered node by node); ``True`` runs it anyway, with a warning.
         process_group_backend, timeout: as in Lightning's ``ModelParallelStrategy``.
     """
 
@@ -177,6 +180,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
+        allow_cross_node_groups: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -263,6 +267,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.allow_cross_node_groups = allow_cross_node_groups
         self._dims: ParallelDims | None = None
 
     # ---------------------------------------------------------------------------------------------- mesh
@@ -337,9 +342,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
         # Degrees are checked against the world size before any process group exists, so a wrong config fails
         # identically on every rank without a hang.
         self._dims = ParallelDims.from_args(self.num_nodes * self.num_processes, **self._degrees)
+        # num_processes: devices per node. Refused before any process group exists, identically on every rank.
+        for finding in self._dims.check_nodes(self.num_processes, self.allow_cross_node_groups):
+            rank_zero_warn(f"allow_cross_node_groups=True: {finding}")
         super(ModelParallelStrategy, self).setup_environment()  # accelerator / device setup
         self._setup_distributed()
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
+        # Lightning's logger (shown by default), rank 0 only: the mesh and where each axis lies.
+        layout = self._dims.describe_nodes(self.num_processes)
+        rank_zero_info(f"device mesh {_describe(self.topology()['mesh'])}: {layout}")
         if self.lightning_module is not None:  # as in ModelParallelStrategy: configure_model can read the mesh
             self.lightning_module._device_mesh = self._device_mesh
 

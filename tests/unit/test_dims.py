@@ -153,3 +153,23 @@ def test_frozen_hashable_and_cache_not_compared():
     assert "_meshes" not in repr(a)
     with pytest.raises(AttributeError):
         a.tp = 4  # type: ignore[misc]
+
+
+def test_tensor_and_expert_groups_must_stay_inside_nodes():
+    hsdp = ParallelDims.from_args(8, data_parallel_replicate=2, data_parallel_shard=2, tensor_parallel=2)
+    assert hsdp.check_nodes(4) == []  # tp2 x dp_shard2 inside each node of 4, replicas across nodes
+    assert hsdp.describe_nodes(4) == (
+        "2 node(s) x 4 local rank(s): tp2 inside nodes, dp_shard2 inside nodes, dp_replicate2 across nodes"
+    )
+    wide_tp = ParallelDims.from_args(8, tensor_parallel=8)
+    with pytest.raises(ValueError, match=r"tensor_parallel=8 groups span 8 consecutive ranks.*nodes of 4 devices"):
+        wide_tp.check_nodes(4)
+    assert wide_tp.check_nodes(8) == []  # one node of 8
+    (warning,) = wide_tp.check_nodes(4, allow_cross_node=True)
+    assert "tensor_parallel=8" in warning
+    experts = ParallelDims.from_args(8, data_parallel_shard=8, expert_parallel=8)
+    with pytest.raises(ValueError, match=r"expert_parallel=8 groups span 8 .*nodes of 4 devices"):
+        experts.check_nodes(4)
+    assert ParallelDims.from_args(8, data_parallel_shard=8, expert_parallel=4).check_nodes(4) == []
+    with pytest.raises(ValueError, match="not a multiple"):
+        hsdp.check_nodes(3)
