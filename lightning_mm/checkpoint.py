@@ -488,6 +488,7 @@ def load_sharded(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     strict: bool = True,
     weights_only: bool | None = True,
+    no_dist: bool = False,
 ) -> dict[str, Any]:
     """Load model and optimizer state from a checkpoint directory into ``model`` as it is sharded *now*.
 
@@ -495,7 +496,8 @@ def load_sharded(
 
     The current model's (and optimizers') state dicts define which shard of every tensor this rank reads, so the
     mesh may differ from the one the checkpoint was written on; a model with plain tensors (one process, no
-    process group needed) reads the full tensors. Returns the metadata (``meta.pt``).
+    process group needed) reads the full tensors. ``no_dist``: this process alone reads everything, even inside a
+    job whose process group is initialised (e.g. an export on rank 0). Returns the metadata (``meta.pt``).
     """
     path = Path(path)
     check_complete(path)
@@ -507,7 +509,9 @@ def load_sharded(
     metadata = safe_load(path / METADATA_FILE, str(path / METADATA_FILE), weights_only=weights_only)
     model_state = {MODEL_KEY: get_model_state_dict(model)}
     _dcp_load(
-        lambda reader: dcp.load(model_state, storage_reader=reader, planner=SafeLoadPlanner(weights_only)),
+        lambda reader: dcp.load(
+            model_state, storage_reader=reader, planner=SafeLoadPlanner(weights_only), no_dist=no_dist
+        ),
         path,
         weights_only,
     )
@@ -517,7 +521,7 @@ def load_sharded(
         optimizer_state = {_optimizer_key(index): get_optimizer_state_dict(model, optimizer)}
         _dcp_load(
             lambda reader, state=optimizer_state: dcp.load(
-                state, storage_reader=reader, planner=SafeLoadPlanner(weights_only)
+                state, storage_reader=reader, planner=SafeLoadPlanner(weights_only), no_dist=no_dist
             ),
             path,
             weights_only,

@@ -20,36 +20,10 @@ from torch.distributed.tensor import DTensor
 from lightning_mm.models.hf import HFCausalLMModule  # needs the [hf] extra (scripts/setup.sh installs it)
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import LossRecorder, run_distributed
+from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, token_batches
 
-GLOBAL_BATCH, LENGTH, STEPS, SEED, CLIP, VOCAB, LR = 8, 12, 5, 0, 1.0, 96, 3e-3
-CONFIG = {
-    "model_type": "llama",
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,  # grouped-query attention: tp must split whole KV heads
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
-
-LLAVA_CONFIG = {
-    "model_type": "llava",
-    "text_config": {**{k: v for k, v in CONFIG.items() if k != "vocab_size"}, "vocab_size": VOCAB},
-    "vision_config": {
-        "model_type": "clip_vision_model",
-        "image_size": 16,
-        "patch_size": 4,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-    },
-    "image_token_id": VOCAB - 1,
-    "tie_word_embeddings": False,
-}
-IMAGE_TOKENS = 16  # (16 / 4) ** 2 patch features per image (CLS dropped)
+STEPS, SEED, CLIP, LR = 5, 0, 1.0, 3e-3
+GLOBAL_BATCH = 8
 
 MESHES = {
     "fsdp2": (2, {"data_parallel_shard": 2}),
@@ -60,21 +34,9 @@ MESHES = {
 }
 
 
-def token_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
-    """``STEPS`` global batches of token sequences with right padding of varying length; this rank's rows."""
-    gen = torch.Generator().manual_seed(7)
-    per = GLOBAL_BATCH // dp
-    batches = []
-    for _ in range(2):  # two global batches, alternated: seen again, so the loss falls within 5 steps
-        # arithmetic sequences (random start, stride 1-3)
-        start = torch.randint(1, VOCAB, (GLOBAL_BATCH, 1), generator=gen)
-        stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=gen)
-        ids = 1 + (start + stride * torch.arange(LENGTH)) % (VOCAB - 2)  # VOCAB - 1: the image token
-        lengths = torch.randint(LENGTH // 2, LENGTH + 1, (GLOBAL_BATCH,), generator=gen)
-        mask = (torch.arange(LENGTH)[None] < lengths[:, None]).long()
-        labels = ids.masked_fill(mask == 0, -100)
-        rows = slice(dp_rank * per, (dp_rank + 1) * per)
-        batches.append({"input_ids": ids[rows], "attention_mask": mask[rows], "labels": labels[rows]})
+def llama_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
+    """Two global batches, alternated over the steps: seen again, so the loss falls within 5 steps."""
+    batches = token_batches(dp_rank, dp, 2, GLOBAL_BATCH)
     return [batches[step % 2] for step in range(STEPS)]
 
 
@@ -82,9 +44,9 @@ def image_text_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
     """As :func:`token_batches`, each row prefixed by one image's placeholder tokens, with its pixels."""
     pixels = torch.randn(2, GLOBAL_BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(11))
     batches = []
-    for step, text in enumerate(token_batches(dp_rank, dp)):
+    for step, text in enumerate(llama_batches(dp_rank, dp)):
         rows = text["input_ids"].shape[0]
-        image = torch.full((rows, IMAGE_TOKENS), LLAVA_CONFIG["image_token_id"])
+        image = torch.full((rows, IMAGE_TOKENS), IMAGE_TOKEN)
         batches.append(
             {
                 "input_ids": torch.cat([image, text["input_ids"]], dim=1),
@@ -98,9 +60,9 @@ def image_text_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 MODELS = {
-    "llama": (CONFIG, token_batches, {}),
-    "llama_lora": (CONFIG, token_batches, {"lora": LORA}),  # the adapters follow their layers onto the stages
-    "llava": (LLAVA_CONFIG, image_text_batches, {}),
+    "llama": (LLAMA, llama_batches, {}),
+    "llama_lora": (LLAMA, llama_batches, {"lora": LORA}),  # the adapters follow their layers onto the stages
+    "llava": (LLAVA, image_text_batches, {}),
 }
 
 

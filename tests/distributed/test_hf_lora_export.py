@@ -1,5 +1,5 @@
 """LoRA on a Hugging Face causal LM under FSDP2, exact resume, and export of sharded checkpoints to Hugging Face
-directories (tiny Llama of ``test_hf_causal_lm``, built from its config: nothing is downloaded).
+directories (the tiny Llama of ``tests/hf_models.py``, built from its config: nothing is downloaded).
 
 * LoRA (r=4 on q_proj / v_proj) under fsdp2 on 2 gloo ranks, 4 AdamW steps (two epochs of two batches; a DCP
   checkpoint directory at the end of each epoch): only the adapters are trainable and in the optimizer, every base
@@ -32,21 +32,12 @@ from lightning_mm.models.hf import HFCausalLMModule, export_pretrained
 from lightning_mm.models.hf.export import load_module
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import LossRecorder, run_distributed
+from tests.hf_models import LLAMA, token_batches
 
 pytestmark = pytest.mark.slow
 
-SEED, CLIP, LR, GLOBAL_BATCH, LENGTH, VOCAB = 0, 1.0, 1e-2, 8, 12, 96
-CONFIG = {  # the tiny Llama of test_hf_causal_lm (a copy: this file does not move when that one does)
-    "model_type": "llama",
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+SEED, CLIP, LR = 0, 1.0, 1e-2
+CONFIG = LLAMA
 PER_EPOCH, STEPS = 2, 4  # checkpoints at the end of each epoch: step 2 (resumed from, exported) and step 4
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 ADAPTERS = CONFIG["num_hidden_layers"] * 2 * 2  # layers x (q_proj, v_proj) x (lora_A, lora_B)
@@ -60,26 +51,8 @@ def _module(lora: dict | None = LORA) -> HFCausalLMModule:
     return HFCausalLMModule(config=CONFIG, lora=lora, learning_rate=LR)
 
 
-def token_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
-    """``PER_EPOCH`` global batches of learnable token sequences (arithmetic, random start and stride 1-3) with right
-    padding of varying length; this data-parallel rank's rows."""
-    gen = torch.Generator().manual_seed(7)
-    per = GLOBAL_BATCH // dp
-    batches = []
-    for _ in range(PER_EPOCH):
-        start = torch.randint(1, VOCAB, (GLOBAL_BATCH, 1), generator=gen)
-        stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=gen)
-        ids = 1 + (start + stride * torch.arange(LENGTH)) % (VOCAB - 1)
-        lengths = torch.randint(LENGTH // 2, LENGTH + 1, (GLOBAL_BATCH,), generator=gen)
-        mask = (torch.arange(LENGTH)[None] < lengths[:, None]).long()
-        labels = ids.masked_fill(mask == 0, -100)
-        rows = slice(dp_rank * per, (dp_rank + 1) * per)
-        batches.append({"input_ids": ids[rows], "attention_mask": mask[rows], "labels": labels[rows]})
-    return batches
-
-
 def _loader(dp_rank: int, dp: int) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(token_batches(dp_rank, dp), batch_size=None)
+    return torch.utils.data.DataLoader(token_batches(dp_rank, dp, PER_EPOCH), batch_size=None)
 
 
 def _trainer(devices: int, strategy, max_steps: int, callbacks=(), root: str | None = None) -> L.Trainer:
@@ -209,7 +182,7 @@ def pp2(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 def _probe() -> dict[str, torch.Tensor]:
     """The first global batch (with right padding) as model input."""
-    batch = token_batches(0, 1)[0]
+    batch = token_batches(0, 1, PER_EPOCH)[0]
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 

@@ -14,33 +14,9 @@ from lightning_mm.models.hf import HFCausalLMModule, as_causal_lm_batch, decoder
 from lightning_mm.parallel.pipeline import explicit_split
 from lightning_mm.parallel.plans import resolve_plan
 from tests.helpers import random_samples
+from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA
 
-TEXT = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
-LLAVA = {
-    "model_type": "llava",
-    "text_config": {"model_type": "llama", **TEXT},
-    "vision_config": {
-        "model_type": "clip_vision_model",
-        "image_size": 16,
-        "patch_size": 4,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-    },
-    "image_token_id": 95,
-    "tie_word_embeddings": False,
-}
-IMAGE_TOKENS = 16  # (16 / 4) ** 2 patches; the CLS feature is dropped ("default" feature selection)
+TEXT = {key: value for key, value in LLAMA.items() if key != "model_type"}
 DEGREES = {"pp": 1, "tp": 1, "ep": 1, "dp": 1}
 
 
@@ -58,7 +34,7 @@ def inputs(model_type: str) -> tuple[torch.Tensor, ...]:
     mask[1, 19:] = 0  # right padding
     if model_type != "llava":
         return ids, mask
-    ids[:, :IMAGE_TOKENS] = LLAVA["image_token_id"]
+    ids[:, :IMAGE_TOKENS] = IMAGE_TOKEN
     return ids, mask, torch.randn(3, 3, 16, 16, generator=gen)
 
 

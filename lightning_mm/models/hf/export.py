@@ -40,7 +40,8 @@ def load_module(checkpoint: str | Path, weights_only: bool | None = True):
     accepted = set(inspect.signature(HFCausalLMModule.__init__).parameters) - {"self", "model"}
     module = HFCausalLMModule(**{key: value for key, value in hparams.items() if key in accepted})
     if path.is_dir():
-        ckpt.load_sharded(path, module, (), strict=True, weights_only=weights_only)
+        # no_dist: read every shard here, also when called on one rank of a running job (no collective)
+        ckpt.load_sharded(path, module, (), strict=True, weights_only=weights_only, no_dist=True)
     else:
         module.load_state_dict(metadata["state_dict"], strict=True)
     return module

@@ -1,0 +1,56 @@
+"""Tiny Hugging Face configs and token batches shared by the HF tests (models are built from configs; nothing is
+downloaded)."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 96
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # grouped-query attention: tp must split whole KV heads
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+IMAGE_TOKEN = VOCAB - 1
+LLAVA = {
+    "model_type": "llava",
+    "text_config": LLAMA,
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "image_size": 16,
+        "patch_size": 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    },
+    "image_token_id": IMAGE_TOKEN,
+    "tie_word_embeddings": False,
+}
+IMAGE_TOKENS = 16  # (16 / 4) ** 2 patch features per image (the CLS feature is dropped)
+
+
+def token_batches(
+    dp_rank: int, dp: int, count: int, global_batch: int = 8, length: int = 12
+) -> list[dict[str, torch.Tensor]]:
+    """``count`` global batches of learnable sequences (arithmetic: random start, stride 1-3; never the image token)
+    with right padding of varying length, in Hugging Face's convention; this data-parallel rank's rows."""
+    gen = torch.Generator().manual_seed(7)
+    per = global_batch // dp
+    batches = []
+    for _ in range(count):
+        start = torch.randint(1, VOCAB, (global_batch, 1), generator=gen)
+        stride = torch.randint(1, 4, (global_batch, 1), generator=gen)
+        ids = 1 + (start + stride * torch.arange(length)) % (IMAGE_TOKEN - 1)
+        lengths = torch.randint(length // 2, length + 1, (global_batch,), generator=gen)
+        mask = (torch.arange(length)[None] < lengths[:, None]).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        rows = slice(dp_rank * per, (dp_rank + 1) * per)
+        batches.append({"input_ids": ids[rows], "attention_mask": mask[rows], "labels": labels[rows]})
+    return batches
