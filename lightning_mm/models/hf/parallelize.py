@@ -14,8 +14,9 @@ embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
   ``colwise_gather_output``): the two largest matrices are split over tp, and the loss sees whole logits (a
   vocab-parallel loss would save the gather; not done yet).
 * **Pipeline parallel**: units ``embed_tokens, layers.0, ..., layers.{L-1}, norm, lm_head`` (FQNs relative to the
-  LightningModule). A stage keeps its units and replaces the rest by pass-throughs
-  (:func:`~lightning_mm.parallel.pipeline.prune_units`; FQNs unchanged), then runs the decoder's *own* ``forward``:
+  LightningModule; the decoder's three modules named as its ``config.base_model_pp_plan`` declares them). A stage
+  keeps its units and replaces the rest by pass-throughs (:func:`~lightning_mm.parallel.pipeline.prune_units`; FQNs
+  unchanged), then runs the decoder's *own* ``forward``:
   stage 0 from ``input_ids``, later stages from ``inputs_embeds`` = the previous stage's hidden states, so the
   rotary embeddings, position ids and the causal + padding mask are rebuilt by the model on every stage from the
   hidden states and the ``attention_mask`` that travels with them. This relies on the decoder not transforming
@@ -126,17 +127,24 @@ def decoder_layout(root: nn.Module, lm: nn.Module) -> DecoderLayout:
     if not isinstance(decoder, nn.Module):
         missing.append("a decoder (get_decoder())")
         decoder = nn.Module()
-    embed = getattr(decoder, "embed_tokens", None)
-    layers = getattr(decoder, "layers", None)
-    norm = getattr(decoder, "norm", None)
+    config = getattr(lm, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    # The decoder's pipeline modules as the model declares them (base_model_pp_plan: embeddings, layers, final norm,
+    # in forward order); the Llama names when it declares none.
+    declared = list(getattr(text_config, "base_model_pp_plan", None) or {})
+    names = declared if len(declared) == 3 else ["embed_tokens", "layers", "norm"]
+    embed_name, layers_name, norm_name = names
+    embed = getattr(decoder, embed_name, None)
+    layers = getattr(decoder, layers_name, None)
+    norm = getattr(decoder, norm_name, None)
     head_getter = getattr(lm, "get_output_embeddings", None)
     head = head_getter() if callable(head_getter) else None
     if not isinstance(embed, nn.Embedding):
-        missing.append("decoder.embed_tokens (nn.Embedding)")
+        missing.append(f"decoder.{embed_name} (nn.Embedding)")
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        missing.append("decoder.layers (nn.ModuleList of decoder layers)")
+        missing.append(f"decoder.{layers_name} (nn.ModuleList of decoder layers)")
     if not isinstance(norm, nn.Module):
-        missing.append("decoder.norm (final norm)")
+        missing.append(f"decoder.{norm_name} (final norm)")
     if not isinstance(head, nn.Linear):
         missing.append("an LM head (get_output_embeddings() -> nn.Linear)")
     if missing:
@@ -148,8 +156,6 @@ def decoder_layout(root: nn.Module, lm: nn.Module) -> DecoderLayout:
             "own model')"
         )
     base = _name_of(root, decoder, "the decoder")
-    config = getattr(lm, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     # The base model (base_model_prefix): the decoder itself for a causal LM; for a LLaVA-style model the module that
     # holds vision tower, projector and decoder.
     entry_module = getattr(lm, "base_model", decoder)
@@ -167,9 +173,9 @@ def decoder_layout(root: nn.Module, lm: nn.Module) -> DecoderLayout:
     return DecoderLayout(
         lm=_name_of(root, lm, "the causal LM"),
         decoder=base,
-        embed=f"{base}.embed_tokens",
-        layers=[f"{base}.layers.{i}" for i in range(len(layers))],
-        norm=f"{base}.norm",
+        embed=f"{base}.{embed_name}",
+        layers=[f"{base}.{layers_name}.{i}" for i in range(len(layers))],
+        norm=f"{base}.{norm_name}",
         head=_name_of(root, head, "the LM head"),
         model_type=str(getattr(config, "model_type", type(lm).__name__)),
         text_model_type=str(getattr(text_config, "model_type", "")),
