@@ -22,9 +22,12 @@ streaming:
    order for any ``num_workers``.
 
 Resume: the DataModule counts the training batches handed to the model (``on_before_batch_transfer``)
-and saves ``(epoch, batches consumed)`` in Lightning checkpoints (``state_dict``). After
-``Trainer.fit(ckpt_path=...)`` the epoch's plan is rebuilt (it is a pure function of seed and epoch)
-and the consumed batches are skipped without being read.
+and saves ``(epoch, batches consumed by this rank, global batches consumed)`` in Lightning checkpoints
+(``state_dict``). After ``Trainer.fit(ckpt_path=...)`` the epoch's global batch list is rebuilt (a pure function of
+seed and epoch, whatever the number of ranks) and what the checkpoint had not consumed is dealt to the ranks of
+*this* run, so a checkpoint of W data-parallel ranks resumes on W' (a divisor, a multiple or neither; the remainder
+of the new dealing is the epoch's usual remainder): every sample of the epoch used once overall. The consumed
+batches are skipped without being read.
 
 Ranks that differ only in tensor / pipeline / expert coordinates receive identical batches: the plan
 depends on the data-parallel rank and size only, taken from the strategy's mesh when it has one.
@@ -128,19 +131,24 @@ class _PlannedSplit(IterableDataset):
         self.on_error = owner.hparams.on_error
         self.max_image_pixels = owner.hparams.max_image_pixels
         self.epoch, self.skip = 0, 0
-        self._plans: dict[int, EpochPlan] = {}
+        self.resumed_global: int | None = None
+        self._plans: dict[tuple[int, int | None], EpochPlan] = {}
 
     # ----------------------------------------------------------------------------------- planning
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.epoch, self.skip = epoch, skip
+    def set_epoch(self, epoch: int, skip: int = 0, resumed_global: int | None = None) -> None:
+        """``skip``: this rank's batches of the epoch consumed before a checkpoint (Lightning's count, restored with
+        its loops); ``resumed_global``: the *global* batches consumed by then, by however many ranks."""
+        self.epoch, self.skip, self.resumed_global = epoch, skip, resumed_global
 
     def plan(self, epoch: int) -> EpochPlan:
-        if epoch not in self._plans:
-            self._plans = {epoch: self._make_plan(epoch)}  # keep one: plans of big datasets are big
-        return self._plans[epoch]
+        resumed = self.resumed_global if epoch == self.epoch else None
+        key = (epoch, resumed)
+        if key not in self._plans:
+            self._plans = {key: self._make_plan(epoch, resumed)}  # keep one: plans of big datasets are big
+        return self._plans[key]
 
-    def _make_plan(self, epoch: int) -> EpochPlan:
+    def _make_plan(self, epoch: int, resumed_global: int | None = None) -> EpochPlan:
         cfg = self.config
         order = list(range(len(self.records)))
         # String seeds hash with SHA-512 in random.Random: the same plan in every process.
@@ -174,14 +182,22 @@ class _PlannedSplit(IterableDataset):
                 )
             ]
         segments = max((len(row) for batch in batches for row in batch), default=1)
+        # The global batch list does not depend on the number of ranks; only the dealing does. A resumed epoch deals
+        # what the checkpoint had not consumed (global batches `done:`) to the ranks of *this* run, so a checkpoint
+        # of W ranks resumes on W' with every sample of the epoch used once (with W' = W: the original dealing).
+        done = min(resumed_global, len(batches)) if resumed_global is not None else 0
+        rest = batches[done:]
         if cfg["epoch_policy"] == "drop":
-            usable = len(batches) - len(batches) % self.world
-            mine = batches[self.rank : usable : self.world]
+            usable = len(rest) - len(rest) % self.world
+            mine = rest[self.rank : usable : self.world]
         else:  # "pad": every batch is used; ranks short of one in the last round get an empty batch
-            usable = len(batches)
-            mine = batches[self.rank :: self.world]
-            mine += [[]] * (-(-len(batches) // self.world) - len(mine))
-        used = sum(len(row) for batch in batches[:usable] for row in batch)
+            usable = len(rest)
+            mine = rest[self.rank :: self.world]
+            mine += [[]] * (-(-len(rest) // self.world) - len(mine))
+        # Positions of the batches this rank consumed before the checkpoint (skipped, never loaded): Lightning counts
+        # them as done, so the epoch's length is theirs plus what is left.
+        mine = [[] for _ in range(self.skip if resumed_global is not None else 0)] + mine
+        used = sum(len(row) for batch in batches[: done + usable] for row in batch)
         return EpochPlan(mine, segments, len(order), used)
 
     def __len__(self) -> int:
@@ -383,7 +399,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._passes: dict[str, dict[str, Any]] = {}
         self._tokenizer: TextTokenizer | None = None
         self._splits: dict[str, tuple[list[SampleRecord], list[tuple[int, int]]]] = {}
-        self._consumed = {"epoch": 0, "batches": 0}
+        self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0}
         self._resume: dict[str, int] | None = None
 
     def regroup_config(self) -> dict[str, Any]:
@@ -548,8 +564,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
         """What the saved stream position depends on: the train shards (names and sizes) and the plan settings."""
         shards, _ = self._sources()
         listing = [[Path(u).name, Path(u).stat().st_size if Path(u).is_file() else -1] for u in shards["train"]]
-        # The position counts this rank's batches of a plan dealt to `data_parallel_size` ranks.
-        plan = {**self.regroup_config(), "data_parallel_size": self._data_parallel_rank_and_size()[1]}
+        # The position counts global batches of this plan, whatever the number of data-parallel ranks.
+        plan = self.regroup_config()
         return {"shards": self._digest(listing), "plan": self._digest(plan), "plan_config": plan}
 
     @property
@@ -579,6 +595,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
         records, lengths = self._index(split)
         rank, world = self._data_parallel_rank_and_size()
         dataset = _PlannedSplit(records, lengths, self, shuffle, rank, world)
+        if split == "train" and self._resume is not None:
+            # Lightning asks the loader's length before iterating it: a resumed epoch dealt to another number of
+            # ranks has another length (the consumed batches plus this run's share of the rest).
+            dataset.set_epoch(self._resume["epoch"], self._resume["batches"], self._resume["global_batches"])
         if split == "val":
             dataset.config = {**dataset.config, "epoch_policy": "pad", "partial_last_batch": True}
             if self.hparams.regroup == "none" and self.hparams.val_batch_size:
@@ -610,9 +630,12 @@ class ImageTextWebDataModule(L.LightningDataModule):
         epoch = self._current_epoch()
         if self._resume is not None and self._resume["epoch"] != epoch:
             self._resume = None
-        skip = self._resume["batches"] if self._resume is not None else 0
-        self._consumed = {"epoch": epoch, "batches": skip}
-        return epoch, skip
+        if self._resume is None:
+            self._consumed = {"epoch": epoch, "batches": 0, "global_batches": 0}
+            return epoch, 0, None
+        skip, done = self._resume["batches"], self._resume["global_batches"]
+        self._consumed = {"epoch": epoch, "batches": skip, "global_batches": done}
+        return epoch, skip, done
 
     def train_dataloader(self) -> EpochAwareLoader:
         return self._loader("train", shuffle=True, epoch_fn=self._train_epoch_and_skip)
@@ -628,14 +651,19 @@ class ImageTextWebDataModule(L.LightningDataModule):
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # (error counts were merged when the batch was fetched: EpochAwareLoader's on_batch)
         if self.trainer is not None and self.trainer.training:
-            self._consumed["batches"] += 1
+            self._consumed["batches"] += 1  # this rank's (Lightning's count)
+            self._consumed["global_batches"] += self._data_parallel_rank_and_size()[1]  # one per data-parallel rank
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the training stream stands: ``(epoch, batches consumed)`` plus the bad-input counts."""
+        """Where the training stream stands: the epoch, the batches this rank consumed (Lightning's count) and the
+        *global* batches consumed (all data-parallel ranks, so a resume on another number of ranks continues the
+        epoch's global batch list), plus the bad-input counts."""
         return {
             "epoch": self._consumed["epoch"],
             "batches": self._consumed["batches"],
+            "global_batches": self._consumed["global_batches"],
+            "data_parallel_size": self._data_parallel_rank_and_size()[1],
             "seed": self.hparams.seed,
             "errors": dict(self.error_log.counts),
             "fingerprint": self._fingerprint(),
@@ -647,19 +675,25 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 f"seed: the checkpoint's data stream used seed {state_dict['seed']}, this DataModule "
                 f"{self.hparams.seed}; resuming would not replay the same batches"
             )
-        self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"])}
+        batches = int(state_dict["batches"])
         saved = state_dict.get("fingerprint")
+        # Checkpoints from before the global count: this rank's batches times the number of ranks they were dealt to.
+        saved_world = state_dict.get("data_parallel_size") or (saved or {}).get("plan_config", {}).get(
+            "data_parallel_size", self._data_parallel_rank_and_size()[1]
+        )
+        done = int(state_dict.get("global_batches", batches * int(saved_world)))
+        self._resume = {"epoch": int(state_dict["epoch"]), "batches": batches, "global_batches": done}
         if saved is not None:
             now = self._fingerprint()
             reasons = []
             if saved["shards"] != now["shards"]:
                 reasons.append("the train shards (names and sizes) differ from the checkpoint's")
-            if saved["plan"] != now["plan"]:
-                changed = sorted(
-                    k
-                    for k in {**saved["plan_config"], **now["plan_config"]}
-                    if saved["plan_config"].get(k) != now["plan_config"].get(k)
-                )
+            # (older checkpoints list data_parallel_size among the settings; the global count made it irrelevant)
+            saved_plan = {k: v for k, v in saved["plan_config"].items() if k != "data_parallel_size"}
+            changed = sorted(
+                k for k in {**saved_plan, **now["plan_config"]} if saved_plan.get(k) != now["plan_config"].get(k)
+            )
+            if changed:
                 reasons.append(f"batching settings changed: {changed}")
             if reasons:
                 if not self.hparams.allow_replan:
@@ -674,6 +708,6 @@ class ImageTextWebDataModule(L.LightningDataModule):
                     "; ".join(reasons),
                     self._resume["epoch"],
                 )
-                self._resume["batches"] = 0
+                self._resume["batches"] = self._resume["global_batches"] = 0
         self.error_log.counts = dict.fromkeys(self.error_log.counts, 0)
         self.error_log.merge(state_dict.get("errors", {}))

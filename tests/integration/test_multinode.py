@@ -7,7 +7,7 @@ recipes start them.
   Lightning's ``SLURMEnvironment``: losses equal again.
 * A tensor-parallel group that would span nodes is refused, naming the degree and the node size.
 * A node killed mid-run: the other node's ranks exit non-zero within 60 s naming a lost rank (``RankWatchdog``); the
-  last checkpoint resumes on one node (4 -> 2 ranks; the data epoch is re-planned with ``allow_replan``).
+  last checkpoint resumes on one node (4 -> 2 ranks).
 """
 
 from __future__ import annotations
@@ -226,9 +226,8 @@ def test_lost_node_stops_the_other_and_resumes_on_one_node(tmp_path):
     last = max(complete, key=lambda p: int(p.name.split("step=")[1].split(".")[0]))
     step = int(last.name.split("step=")[1].split(".")[0])
     resume = tmp_path / "resume"
-    # The data position counts batches of the 4-rank plan: on 2 ranks the epoch is re-planned (allow_replan; the
-    # DataModule refuses otherwise, naming the option). Model, optimizer and step counter reshard exactly (DCP).
-    resume_args = (f"--trainer.max_steps={step + 2}", f"--ckpt_path={last}", "--data.init_args.allow_replan=true")
+    # Model, optimizer and step counter reshard (DCP); the data stream deals the rest of the epoch to 2 ranks.
+    resume_args = (f"--trainer.max_steps={step + 2}", f"--ckpt_path={last}")
     (code,) = _wait([_torchrun(resume, 1, 0, 2, free_port(), *resume_args)])
     log = (resume / "node0.log").read_text()
     assert code == 0, log[-3000:]

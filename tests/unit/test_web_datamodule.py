@@ -183,11 +183,43 @@ def test_resume_with_other_shards_or_plan_is_refused_or_replanned(shards):
         _dm(shards, train_urls=fewer).load_state_dict(state)
     on_two_ranks = _dm(shards)
     _batches(on_two_ranks, 0, 2)  # attaches a trainer reporting 2 data-parallel ranks
-    with pytest.raises(ValueError, match=r"batching settings changed: \['data_parallel_size'\]"):
-        on_two_ranks.load_state_dict(state)
+    on_two_ranks.load_state_dict({**state, "batches": 3, "global_batches": 12})  # another number of ranks: fine
+    assert on_two_ranks._resume == {"epoch": 0, "batches": 3, "global_batches": 12}
     replanned = _dm(shards, rows_per_batch=2, allow_replan=True)
     replanned.load_state_dict({**state, "batches": 3})
-    assert replanned._resume == {"epoch": 0, "batches": 0}
+    assert replanned._resume == {"epoch": 0, "batches": 0, "global_batches": 0}
+
+
+@pytest.mark.parametrize("regroup", ["none", "pack"])
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4), (4, 3), (3, 3)])
+def test_a_resumed_epoch_reshards_to_another_number_of_ranks(shards, regroup, before, after):
+    """Each of ``before`` ranks consumes its batches of about half the epoch and the stream state is saved; ``after``
+    ranks load it and finish the epoch: every sample of the epoch's usable batches exactly once, equal steps."""
+    # pack: smaller batches, so that the 94 samples make enough of them for 4 ranks before and after
+    settings = {"regroup": regroup}
+    if regroup == "pack":
+        settings.update(rows_per_batch=2, max_patches_per_batch=64, max_tokens_per_batch=192)
+    global_batches = len(_batches(_dm(shards, **settings), 0, 1))
+    consumed = max(1, global_batches // (2 * before))  # about half the epoch before the checkpoint
+    seen = []
+    for rank in range(before):
+        for batch in _batches(_dm(shards, **settings), rank, before)[:consumed]:
+            seen += batch.sample_ids[batch.sample_ids >= 0].tolist()
+    state = {**_dm(shards, **settings).state_dict(), "batches": consumed, "global_batches": consumed * before}
+    steps = []
+    for rank in range(after):
+        dm = _dm(shards, **settings)
+        dm.load_state_dict(state)
+        batches = _batches(dm, rank, after)
+        dataset = dm.train_dataloader().dataset
+        dataset.set_epoch(*dm._train_epoch_and_skip())
+        assert len(dataset) == consumed + len(batches)  # Lightning's count: the consumed batches plus the rest
+        steps.append(len(batches))
+        seen += [i for batch in batches for i in batch.sample_ids[batch.sample_ids >= 0].tolist()]
+    assert len(set(steps)) == 1 and steps[0] > 0
+    plan = dataset.plan(0)
+    assert len(seen) == len(set(seen)) == plan.used_samples  # each usable sample once, none lost
+    assert plan.used_samples + plan.dropped_samples == sum(SHARD_SIZES)
 
 
 def test_argument_errors_name_the_argument(shards):
