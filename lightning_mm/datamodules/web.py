@@ -65,6 +65,7 @@ from lightning_mm.datamodules.decode import (
     load_rgb_image,
     read_sample_files,
 )
+from lightning_mm.datamodules.filters import FILTER_KINDS, QualityFilters, describe_counts
 from lightning_mm.datamodules.regroup import bucket_batches, collate_packed, pack_rows
 from lightning_mm.datamodules.stages import (
     PatchedSample,
@@ -321,6 +322,9 @@ class ImageTextWebDataModule(L.LightningDataModule):
         allow_replan: on resume, a checkpoint taken with other shards or other batching settings is refused (its
             position counts batches of a different plan); True restarts that epoch with the new plan instead
             (samples of the epoch seen before the checkpoint are then seen again), with a warning.
+        filters: quality filters for the training split (:mod:`lightning_mm.datamodules.filters`), e.g.
+            ``{"min_image_side": 64, "max_aspect_ratio": 3, "min_caption_tokens": 3, "min_similarity": 0.28,
+            "deduplicate": True}``; each dropped sample is counted by kind and printed after indexing.
 
     Every skipped sample is counted by kind and printed: after indexing each split, at the end of every epoch
     and when the run ends (with an example shard / key per kind), whatever callbacks are present.
@@ -353,9 +357,11 @@ class ImageTextWebDataModule(L.LightningDataModule):
         max_skipped_fraction: float = 0.01,
         require_images: bool = True,
         allow_replan: bool = False,
+        filters: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         check_image_pixels(max_image_pixels)
+        self._filters = QualityFilters.from_options(filters)
         if isinstance(max_skipped_fraction, bool) or not 0 <= max_skipped_fraction <= 1:
             raise ValueError(f"max_skipped_fraction must be in [0, 1], got {max_skipped_fraction!r}")
         if regroup not in ("none", "bucket", "pack"):
@@ -401,6 +407,9 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._splits: dict[str, tuple[list[SampleRecord], list[tuple[int, int]]]] = {}
         self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0}
         self._resume: dict[str, int] | None = None
+        self.filter_counts: dict[str, int] = dict.fromkeys(FILTER_KINDS, 0)
+        """Training samples each quality filter dropped at indexing (:data:`~lightning_mm.datamodules.filters.
+        FILTER_KINDS`)."""
 
     def regroup_config(self) -> dict[str, Any]:
         hp = self.hparams
@@ -418,6 +427,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
             "max_patches_per_image": hp.max_patches_per_image,
             "max_text_tokens": hp.max_text_tokens,
             "epoch_policy": hp.epoch_policy,
+            # (only when set: a checkpoint from before the filters existed keeps its fingerprint)
+            **({"filters": self._filters.as_dict()} if self._filters.active else {}),
         }
 
     # ------------------------------------------------------------------------------------ indexing
@@ -474,6 +485,15 @@ class ImageTextWebDataModule(L.LightningDataModule):
         lengths = []
         tokenizer = self.tokenizer
         encoded = tokenizer.tokenizer.encode_batch([r.caption for r in records], add_special_tokens=False)
+        if split == "train" and self._filters.active:
+            kept, counts = self._filters.apply(records, [len(e.ids) for e in encoded])
+            self.filter_counts = counts
+            message = describe_counts(counts, len(records))
+            if message is not None and self._global_rank() == 0:
+                _print(f"data ({split}, indexed): {message}")
+            if not kept:
+                raise ValueError(f"filters drop all {len(records)} {split} samples ({counts}); loosen them")
+            records, encoded = [records[i] for i in kept], [encoded[i] for i in kept]
         for record, encoding in zip(records, encoded, strict=True):
             rows, cols = (
                 patch_grid(record.height, record.width, hp.patch_size, hp.max_patches_per_image)
