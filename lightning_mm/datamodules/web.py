@@ -41,6 +41,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import random
 import sys
 from collections.abc import Iterator
@@ -149,6 +150,26 @@ class _PlannedSplit(IterableDataset):
             self._plans = {key: self._make_plan(epoch, resumed)}  # keep one: plans of big datasets are big
         return self._plans[key]
 
+    def max_patches_per_image(self, epoch: int) -> int:
+        """The patch cap of ``epoch``: the curriculum's last entry starting at or before it, else the DataModule's."""
+        cap = self.config["max_patches_per_image"]
+        for start, value in sorted(self.config.get("curriculum", {}).items()):
+            if epoch >= start:
+                cap = value
+        return cap
+
+    def epoch_lengths(self, epoch: int) -> list[tuple[int, int]]:
+        """``(patches, tokens)`` of every record under ``epoch``'s patch cap (indexing computed them for the full
+        cap; the image sizes in the records give the rest)."""
+        cap = self.max_patches_per_image(epoch)
+        if cap == self.config["max_patches_per_image"]:
+            return self.lengths
+        patch = self.config["patch_size"]
+        return [
+            (math.prod(patch_grid(r.height, r.width, patch, cap)) if r.image_key is not None else 0, tokens)
+            for r, (_, tokens) in zip(self.records, self.lengths, strict=True)
+        ]
+
     def _make_plan(self, epoch: int, resumed_global: int | None = None) -> EpochPlan:
         cfg = self.config
         order = list(range(len(self.records)))
@@ -156,7 +177,8 @@ class _PlannedSplit(IterableDataset):
         rng = random.Random(f"{cfg['seed']}-{epoch}-plan")
         if self.shuffle:
             rng.shuffle(order)
-        samples = (_stand_in(i, *self.lengths[i]) for i in order)
+        lengths = self.epoch_lengths(epoch)
+        samples = (_stand_in(i, *lengths[i]) for i in order)
         # Validation keeps the last, short batch (every pair scored); training keeps shapes and sizes.
         partial = cfg.get("partial_last_batch", False)
         if cfg["regroup"] == "none":
@@ -231,7 +253,7 @@ class _PlannedSplit(IterableDataset):
             image = load_rgb_image(files[record.image_key], record.url, record.key, errors, self.max_image_pixels)
             if image is None:  # corrupt body behind a valid header: skipped and counted
                 return None
-            patches, positions = patchify(image, cfg["patch_size"], cfg["max_patches_per_image"])
+            patches, positions = patchify(image, cfg["patch_size"], self.max_patches_per_image(self.epoch))
         tokens = self.tokenizer.encode(record.caption, cfg["max_text_tokens"])
         return PatchedSample(index, patches, positions, tokens)
 
@@ -322,6 +344,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
         allow_replan: on resume, a checkpoint taken with other shards or other batching settings is refused (its
             position counts batches of a different plan); True restarts that epoch with the new plan instead
             (samples of the epoch seen before the checkpoint are then seen again), with a warning.
+        curriculum: progressive resolution for the training split, ``{start_epoch: max_patches_per_image}``, e.g.
+            ``{0: 16, 2: 64}``: images are patchified under a cap of 16 patches in epochs 0-1 (smaller images, more
+            pairs per packed batch) and 64 from epoch 2; the plan of an epoch follows its cap, so a resume is exact.
+            Caps must not exceed ``max_patches_per_image`` (what the model is built for).
         filters: quality filters for the training split (:mod:`lightning_mm.datamodules.filters`), e.g.
             ``{"min_image_side": 64, "max_aspect_ratio": 3, "min_caption_tokens": 3, "min_similarity": 0.28,
             "deduplicate": True}``; each dropped sample is counted by kind and printed after indexing.
@@ -358,10 +384,19 @@ class ImageTextWebDataModule(L.LightningDataModule):
         require_images: bool = True,
         allow_replan: bool = False,
         filters: dict[str, Any] | None = None,
+        curriculum: dict[int, int] | None = None,
     ) -> None:
         super().__init__()
         check_image_pixels(max_image_pixels)
         self._filters = QualityFilters.from_options(filters)
+        for start, cap in (curriculum or {}).items():
+            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+                raise ValueError(f"curriculum: keys are start epochs (integers >= 0), got {start!r}")
+            if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= max_patches_per_image:
+                raise ValueError(
+                    f"curriculum[{start}] = {cap!r}: a patch cap per image must be an integer in "
+                    f"[1, max_patches_per_image={max_patches_per_image}]"
+                )
         if isinstance(max_skipped_fraction, bool) or not 0 <= max_skipped_fraction <= 1:
             raise ValueError(f"max_skipped_fraction must be in [0, 1], got {max_skipped_fraction!r}")
         if regroup not in ("none", "bucket", "pack"):
@@ -429,6 +464,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             "epoch_policy": hp.epoch_policy,
             # (only when set: a checkpoint from before the filters existed keeps its fingerprint)
             **({"filters": self._filters.as_dict()} if self._filters.active else {}),
+            **({"curriculum": dict(sorted(hp.curriculum.items()))} if hp.curriculum else {}),
         }
 
     # ------------------------------------------------------------------------------------ indexing
@@ -621,6 +657,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             dataset.set_epoch(self._resume["epoch"], self._resume["batches"], self._resume["global_batches"])
         if split == "val":
             dataset.config = {**dataset.config, "epoch_policy": "pad", "partial_last_batch": True}
+            dataset.config.pop("curriculum", None)  # validation is always scored at full resolution
             if self.hparams.regroup == "none" and self.hparams.val_batch_size:
                 dataset.config["batch_size"] = self.hparams.val_batch_size
         if len(dataset.plan(0).batches) == 0:
@@ -631,7 +668,12 @@ class ImageTextWebDataModule(L.LightningDataModule):
 
         def start(_epoch_fn=epoch_fn):
             self._start_pass(split)
-            return _epoch_fn()
+            state = _epoch_fn()
+            if split == "train" and self.hparams.curriculum and self._global_rank() == 0:
+                epoch = state[0] if isinstance(state, tuple) else state
+                cap = dataset.max_patches_per_image(epoch)
+                _print(f"data (train, epoch {epoch}): curriculum: max_patches_per_image {cap}")
+            return state
 
         return EpochAwareLoader(
             dataset,

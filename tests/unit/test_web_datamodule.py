@@ -332,3 +332,32 @@ def test_validation_scores_every_pair_on_every_rank_count(shards, regroup):
             steps.add(len(batches))
             ids += [i for b in batches for i in b.sample_ids[b.sample_ids >= 0].tolist()]
         assert len(steps) == 1 and sorted(ids) == list(range(12))
+
+
+def test_curriculum_raises_the_patch_cap_by_epoch(shards, capsys):
+    """``{0: 4, 1: 16}``: epoch 0 patchifies under a cap of 4 patches per image, epoch 1 under 16; the plan follows
+    (more pairs per packed batch at low resolution), validation stays at full resolution, a resume replans alike."""
+
+    def patches_per_image(batches) -> int:
+        most = 0
+        for batch in batches:
+            for row in range(batch.num_rows):
+                segments = batch.patch_segment[row]
+                for segment in segments[segments >= 0].unique():
+                    most = max(most, int((segments == segment).sum()))
+        return most
+
+    curriculum = {0: 4, 1: 16}
+    low = _batches(_dm(shards, regroup="pack", curriculum=curriculum), 0, 1, epoch=0)
+    high = _batches(_dm(shards, regroup="pack", curriculum=curriculum), 0, 1, epoch=1)
+    assert patches_per_image(low) == 4 and patches_per_image(high) == 16
+    assert len(low) < len(high)  # smaller images: more pairs per batch, fewer batches
+    assert "data (train, epoch 0): curriculum: max_patches_per_image 4" in capsys.readouterr().err
+    dm = _dm(shards, regroup="pack", curriculum=curriculum)
+    _batches(dm, 0, 1, epoch=0)
+    without = _dm(shards, regroup="pack")
+    _batches(without, 0, 1, epoch=0)
+    assert patches_per_image(list(dm.val_dataloader())) == patches_per_image(list(without.val_dataloader())) > 4
+    assert dm.regroup_config()["curriculum"] == curriculum  # in the plan fingerprint: a resume checks it
+    with pytest.raises(ValueError, match=r"curriculum\[1\] = 32.*max_patches_per_image=16"):
+        _dm(shards, curriculum={0: 4, 1: 32})
