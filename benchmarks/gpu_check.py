@@ -26,6 +26,14 @@ so a run killed by the time limit still leaves what it measured:
    to disable).
 4. ``compile`` (only with ``--compile``, and only when enough of ``--max-seconds`` is left): the same steps
    through ``torch.compile(model)``; compile time and median step time.
+5. ``plan`` (unless ``--skip-plan``): ``lightning-mm plan``'s top choice for one device of this GPU's memory
+   (:func:`lightning_mm.planning.plan` for the preset, one sample per row of ``--tokens-per-row`` tokens and
+   ``--patches-per-row`` patches, ``--rows`` rows, the precision above; one device leaves only the choice of
+   activation checkpointing), then a few steps of exactly that (a fresh model, AC applied per block when chosen) with
+   ``torch.cuda.max_memory_allocated`` (less what was allocated before the phase) against the planner's estimated
+   peak: ratio and whether it is within 20 %.
+   Without CUDA (``--allow-cpu``) the plan is computed and the steps run, but there is no allocator peak to compare:
+   the report says so (``benchmarks/plan_validation.py`` is the CPU comparison).
 
 MFU = model FLOPs of a step / median step time / peak dense bf16 FLOP/s of the GPU (H100/H200 SXM 989e12,
 A100 312e12, ...; from the device name, ``--peak-tflops`` overrides; the value used is reported). Model
@@ -727,6 +735,103 @@ def train_check(args: argparse.Namespace, device: torch.device, report: dict, sa
     return passed
 
 
+# ------------------------------------------------------------------------------------------------ plan
+
+
+PLAN_MEMORY_GOAL = 0.20
+
+
+def plan_check(args: argparse.Namespace, device: torch.device, report: dict, save) -> bool:
+    """``lightning-mm plan``'s top choice for one device of this GPU, run, its peak memory against the estimate."""
+    from lightning_mm.models.vlm import build_config
+    from lightning_mm.models.vlm.parallelize import vlm_blocks
+    from lightning_mm.parallel.fsdp import apply_activation_checkpointing
+    from lightning_mm.planning import GIB, Hardware, VLMShape, Workload, plan
+
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:  # whatever the train phase left allocated is not this job's: measured peaks are taken above it
+        torch.cuda.empty_cache()
+    leftover = torch.cuda.memory_allocated(device) if cuda else 0
+    rows = report.get("train", {}).get("rows", args.rows)  # after the train phase's out-of-memory back-off
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else 64 * GIB
+    peak, _ = peak_flops(report["environment"].get("device_name"), args.peak_tflops)
+    workload = Workload(
+        tokens=args.tokens_per_row,
+        patches=args.patches_per_row,
+        micro_batch=rows,
+        global_batch=rows,
+        precision="bf16-mixed" if args.precision == "bf16" else "32-true",
+    )
+    hardware = Hardware(devices=1, memory_bytes=memory, peak_flops=peak or 989e12)
+    candidates, _ = plan(VLMShape(args.preset), workload, hardware)
+    top = candidates[0]
+    entry: dict = {
+        "workload": {"rows": rows, "tokens_per_row": args.tokens_per_row, "patches_per_row": args.patches_per_row},
+        "device_memory_bytes": memory,
+        "top_choice": {
+            "mesh": top.mesh.label,
+            "activation_checkpointing": top.activation_checkpointing,
+            "fits": top.fits,
+            "estimated_peak_bytes": top.peak_bytes,
+            "estimated_step_seconds": top.step_seconds,
+            "estimate": {k: v for k, v in top.memory.items() if isinstance(v, (int, float))},
+        },
+        "candidates": [
+            {"activation_checkpointing": c.activation_checkpointing, "fits": c.fits, "peak_bytes": c.peak_bytes}
+            for c in candidates
+        ],
+    }
+    report["plan"] = entry
+    save()
+    print(
+        f"plan: top choice for one device of {memory / GIB:.1f} GiB: {top.mesh.label}, activation checkpointing "
+        f"{'on' if top.activation_checkpointing else 'off'}, estimated peak {top.peak_bytes / GIB:.2f} GiB",
+        flush=True,
+    )
+    config = build_config(args.preset)
+    trainer = Trainer(config, device, args.precision, args.lr)
+    if top.activation_checkpointing:
+        apply_activation_checkpointing(vlm_blocks(trainer.model))
+    batch = synthetic_batch(
+        config,
+        rows,
+        args.patches_per_row,
+        args.tokens_per_row,
+        tuple(args.image_side),
+        tuple(args.caption_tokens),
+        args.missing_image_every,
+        args.seed,
+    ).to(device)
+    trainer.step(batch)  # warm-up: optimizer state allocated, as in every later step
+    _sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    losses = [float(trainer.step(batch)) for _ in range(2)]
+    _sync(device)
+    entry["losses_finite"] = all(math.isfinite(x) for x in losses)
+    if not cuda:
+        entry["measured"] = (
+            "skipped: no CUDA device, so no allocator peak (torch.cuda.max_memory_allocated) to compare the estimate "
+            "with; benchmarks/plan_validation.py compares live tensor bytes on CPU ranks instead"
+        )
+        print(f"plan: {entry['measured']}", flush=True)
+        return entry["losses_finite"]
+    measured = torch.cuda.max_memory_allocated(device) - leftover
+    ratio = top.peak_bytes / measured
+    entry.update(
+        measured_peak_bytes=measured,
+        allocated_before_bytes=leftover,
+        measured_peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+        ratio_estimated_to_measured=ratio,
+        within_goal=abs(ratio - 1) <= PLAN_MEMORY_GOAL,
+    )
+    del trainer, batch
+    gc.collect()
+    torch.cuda.empty_cache()
+    return entry["losses_finite"]
+
+
 # ------------------------------------------------------------------------------------------------ output
 
 
@@ -791,6 +896,23 @@ def print_summary(report: dict) -> None:
         ]
         for key, value in lines:
             print(f"  {key:26} {value}")
+    plan_entry = report.get("plan")
+    if plan_entry and "top_choice" in plan_entry:
+        top = plan_entry["top_choice"]
+        line = (
+            f"\n== plan (one device): {top['mesh']}, activation checkpointing "
+            f"{'on' if top['activation_checkpointing'] else 'off'}; estimated peak "
+            f"{top['estimated_peak_bytes'] / 2**30:.2f} GiB"
+        )
+        if "measured_peak_bytes" in plan_entry:
+            line += (
+                f", measured max_memory_allocated {plan_entry['measured_peak_bytes'] / 2**30:.2f} GiB, ratio "
+                f"{plan_entry['ratio_estimated_to_measured']:.3f} "
+                f"({'within' if plan_entry['within_goal'] else 'outside'} {PLAN_MEMORY_GOAL:.0%})"
+            )
+        else:
+            line += f"; {plan_entry.get('measured', plan_entry.get('error', 'not measured'))}"
+        print(line)
     comp = report.get("compile")
     if comp:
         if comp.get("step_seconds_median"):
@@ -882,6 +1004,9 @@ def main() -> int:
     )
     parser.add_argument("--skip-nccl", action="store_true")
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument(
+        "--skip-plan", action="store_true", help="skip running `lightning-mm plan`'s top choice against its estimate"
+    )
     parser.add_argument("--no-oom-backoff", action="store_true", help="fail on OOM instead of halving --rows")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU when there is no CUDA (tests the script)")
     parser.add_argument(
@@ -968,6 +1093,20 @@ def main() -> int:
             )
             traceback.print_exc()
             passed = False
+    if not args.skip_plan and not import_error:
+        left = START + args.max_seconds - time.monotonic()
+        if left < 60:
+            report["plan"] = {"skipped": f"only {left:.0f} s of --max-seconds left"}
+        else:
+            try:
+                passed &= plan_check(args, device, report, save)
+            except Exception as exc:  # recorded, then reported through the exit status
+                report.setdefault("plan", {}).update(
+                    error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+                )
+                traceback.print_exc()
+                passed = False
+        save()
     report["status"] = "passed" if passed else "failed"
     save()
     print_summary(report)

@@ -4,6 +4,7 @@ lightning-mm fit --config examples/configs/default.yaml
 lightning-mm make-shards --preset tiny --output-dir /tmp/shards
 lightning-mm consolidate CKPT_DIR OUT.ckpt
 lightning-mm export-hf CKPT OUT_DIR
+lightning-mm plan --preset small --devices 8 --memory-gb 80 --devices-per-node 8
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from lightning.pytorch.cli import LightningCLI
 
 __all__ = ["VLMLightningCLI", "main", "configure_wandb_mode"]
 
-_OVERVIEW = """usage: lightning-mm {fit,validate,test,make-shards,consolidate,export-hf} ...
+_OVERVIEW = """usage: lightning-mm {fit,validate,test,make-shards,consolidate,export-hf,plan} ...
 
 Multimodal (vision-language) training with PyTorch Lightning.
 
@@ -27,6 +28,7 @@ subcommands:
   make-shards  write the embedded synthetic image-text dataset as WebDataset shards
   consolidate  write a sharded checkpoint directory (HybridParallelStrategy) as one checkpoint file
   export-hf    write an HFCausalLMModule checkpoint as a Hugging Face directory (needs the [hf] extra)
+  plan         rank device meshes for a model by estimated memory and step time (`lightning-mm plan --help`)
 
 example:
   lightning-mm fit --config examples/configs/default.yaml
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_mm.checkpoint import consolidate_main
 
         raise SystemExit(consolidate_main(argv[1:]))
+    if argv and argv[0] == "plan":
+        from lightning_mm.planning import main as plan_main
+
+        raise SystemExit(plan_main(argv[1:]))
     if argv and argv[0] == "export-hf":
         from lightning_mm.models.hf.export import export_main
 

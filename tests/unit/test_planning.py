@@ -1,0 +1,257 @@
+"""``lightning-mm plan`` (:mod:`lightning_mm.planning`): tables for the presets and an HF config, memory scaling, the
+mesh rules, bytes per axis against hand-computed ring formulas, the command line and its JSON. No process group;
+the measured comparison is ``benchmarks/plan_validation.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_mm.planning import (
+    GIB,
+    CausalLMShape,
+    Hardware,
+    Mesh,
+    VLMShape,
+    Workload,
+    candidate_meshes,
+    evaluate,
+    format_table,
+    main,
+    plan,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
+
+# Every dim even, so FSDP over 2 ranks pads nothing and halves exactly.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 16,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": False,
+}
+# Parameters of one decoder layer: q, k, v, o (8 x 8 each), gate, up (16 x 8), down (8 x 16), two norms (8 each).
+LAYER = 4 * 64 + 3 * 128 + 2 * 8  # 656
+ROOT = 16 * 8 + 8 + 16 * 8  # embedding, final norm, LM head: 264
+
+
+def fp32(tokens: int = 4, micro: int = 1, global_batch: int | None = None) -> Workload:
+    return Workload(tokens=tokens, micro_batch=micro, global_batch=global_batch, precision="32-true")
+
+
+@pytest.fixture(scope="module")
+def llama() -> CausalLMShape:
+    return CausalLMShape(TINY_LLAMA)
+
+
+@pytest.fixture(scope="module")
+def vlm_tiny() -> VLMShape:
+    return VLMShape("tiny")
+
+
+def test_ring_formulas():
+    assert ring_all_gather(400, 4) == 300  # (n - 1) / n of the output
+    assert ring_reduce_scatter(400, 4) == 300  # (n - 1) / n of the input
+    assert ring_all_reduce(400, 4) == 600  # 2 (n - 1) / n
+    assert ring_all_reduce(400, 1) == ring_all_gather(400, 1) == 0
+
+
+def test_hf_shape_from_config_file(tmp_path, llama):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    from_file = CausalLMShape(tmp_path)  # the directory or the file
+    assert sum(p.numel for p in from_file.params) == 2 * LAYER + ROOT
+    assert [p.shape for p in from_file.params] == [p.shape for p in llama.params]
+    tied = CausalLMShape({**TINY_LLAMA, "tie_word_embeddings": True})
+    assert sum(p.numel for p in tied.params) == 2 * LAYER + ROOT - 16 * 8
+    with pytest.raises(ValueError, match="intermediate_size"):
+        CausalLMShape({k: v for k, v in TINY_LLAMA.items() if k != "intermediate_size"})
+
+
+def test_dp_shard_two_halves_parameters_gradients_and_optimizer_state(llama, vlm_tiny):
+    hardware = Hardware(devices=2)
+    single = evaluate(llama, Mesh(), fp32(global_batch=1), Hardware(devices=1)).memory
+    sharded = evaluate(llama, Mesh(dp_shard=2), fp32(global_batch=2), hardware).memory
+    assert single["params"] == 4 * (2 * LAYER + ROOT)
+    assert sharded["params"] == single["params"] / 2
+    assert sharded["grads"] == single["grads"] / 2
+    steps = 4 * len(llama.params)  # AdamW's step scalar per parameter tensor is not sharded
+    assert sharded["optimizer"] - steps == (single["optimizer"] - steps) / 2
+    # the same per-rank batch: the activations do not change
+    assert sharded["activations"] == single["activations"]
+    # the reference VLM: only its 0-d logit_scale and FSDP's padding keep it from exactly half
+    vlm_single = evaluate(vlm_tiny, Mesh(), fp32(global_batch=1), Hardware(devices=1)).memory
+    vlm_sharded = evaluate(vlm_tiny, Mesh(dp_shard=2), fp32(global_batch=2), hardware).memory
+    for key in ("params", "grads", "optimizer"):
+        assert vlm_sharded[key] == pytest.approx(vlm_single[key] / 2, rel=2e-3), key
+    # and FSDP brings its transient unsharded parameters, absent on one device
+    assert vlm_sharded["unsharded_params"] > 0 == vlm_single["unsharded_params"]
+
+
+def test_tensor_parallel_shards_weights_and_per_head_activations(llama):
+    workload = fp32(global_batch=1)
+    single = evaluate(llama, Mesh(), workload, Hardware(devices=1)).memory
+    tp2 = evaluate(llama, Mesh(tp=2), workload, Hardware(devices=2)).memory
+    assert tp2["params"] == 4 * ((2 * LAYER + ROOT - 2 * 2 * 8 - 8) / 2 + 2 * 2 * 8 + 8)  # norms stay whole
+    assert single["activations"] > tp2["activations"] > single["activations"] / 2  # norms / residuals replicated
+
+
+def test_activation_checkpointing_reduces_activation_memory(llama, vlm_tiny):
+    for model, workload in ((llama, fp32(tokens=32, micro=4)), (vlm_tiny, Workload(24, 36, 4, precision="32-true"))):
+        hardware = Hardware(devices=1)
+        plain = evaluate(model, Mesh(), workload, hardware, activation_checkpointing=False)
+        checkpointed = evaluate(model, Mesh(), workload, hardware, activation_checkpointing=True)
+        assert checkpointed.memory["activations"] < plain.memory["activations"] / 2
+        assert checkpointed.memory["recompute"] > 0 == plain.memory["recompute"]
+        assert checkpointed.peak_bytes < plain.peak_bytes
+        assert checkpointed.time["compute"] == pytest.approx(plain.time["compute"] * 4 / 3)  # one more forward
+
+
+def test_pipeline_keeps_more_microbatches_on_the_first_stage(llama):
+    candidate = evaluate(llama, Mesh(pp=2), fp32(tokens=8, micro=1, global_batch=4), Hardware(devices=2))
+    first, last = candidate.memory["stages"]
+    assert candidate.microbatches == 4
+    assert (first["in_flight"], last["in_flight"]) == (2, 1)
+    assert first["activations"] == 2 * first["activations_per_microbatch"]
+    assert candidate.time["bubble"] == pytest.approx(candidate.time["compute"] * 1 / 5)  # (pp - 1) / (m + pp - 1)
+
+
+def test_tp_must_divide_the_key_value_heads():
+    model = CausalLMShape({**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2})
+    accepted, refused = candidate_meshes(model, fp32(), Hardware(devices=4))
+    assert all(mesh.tp in (1, 2) for mesh in accepted)
+    reasons = {mesh.tp: r for mesh, r in refused if mesh.tp == 4}
+    assert "num_key_value_heads=2" in " ".join(reasons[4])
+
+
+def test_no_candidate_has_a_tp_group_across_nodes(vlm_tiny):
+    model = CausalLMShape({**TINY_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 16})
+    hardware = Hardware(devices=16, devices_per_node=2)
+    for shape in (model, vlm_tiny):
+        candidates, refused = plan(shape, fp32(global_batch=16), hardware)
+        assert candidates
+        for c in candidates:
+            assert c.mesh.tp <= 2 and c.mesh.dims().within_node("tp", 2)
+            assert "tp" not in c.links or c.links["tp"] == "intra"
+        assert any(m.tp > 2 and any("does not fit nodes of 2 devices" in r for r in reasons) for m, reasons in refused)
+    # an axis that leaves the node is marked inter-node and uses the slower link
+    fsdp16 = evaluate(model, Mesh(dp_shard=16), fp32(global_batch=16), hardware)
+    assert fsdp16.links["dp_shard"] == "inter" and fsdp16.comm_bytes["inter"] == fsdp16.comm_bytes["dp_shard"]
+
+
+def test_expert_parallel_only_for_the_reference_experts(llama, vlm_tiny):
+    hardware = Hardware(devices=4)
+    accepted, _ = candidate_meshes(vlm_tiny, fp32(global_batch=4), hardware)
+    assert {m.ep for m in accepted} == {1, 2, 4}
+    assert all(m.dp_shard % m.ep == 0 and (m.ep == 1 or m.tp == m.pp == m.dp_replicate == 1) for m in accepted)
+    assert {m.ep for m in candidate_meshes(llama, fp32(global_batch=4), hardware)[0]} == {1}
+    reasons = vlm_tiny.refusals(Mesh(dp_shard=2, tp=2, ep=2))
+    assert any("not supported" in r for r in reasons)
+
+
+def test_bytes_per_axis_match_hand_computed_ring_formulas(llama):
+    # FSDP over 2 ranks, fp32, one micro-step: every layer all-gathered twice (forward, backward after resharding)
+    # and reduce-scattered once; the root unit (embedding, norm, head) all-gathered once: (n - 1) / n = 1 / 2.
+    fsdp = evaluate(llama, Mesh(dp_shard=2), fp32(global_batch=2), Hardware(devices=2)).comm_bytes
+    assert fsdp["dp_shard"] == 2 * (3 * 0.5 * LAYER * 4) + 2 * 0.5 * ROOT * 4  # = 8928
+    assert fsdp["tp"] == fsdp["pp"] == fsdp["dp_replicate"] == 0
+    # HSDP 2 x 2: the reduce-scattered halves all-reduced over the replicas, 2 (n - 1) / n = 1
+    hsdp = evaluate(llama, Mesh(dp_replicate=2, dp_shard=2), fp32(global_batch=4), Hardware(devices=4)).comm_bytes
+    assert hsdp["dp_replicate"] == (2 * LAYER + ROOT) / 2 * 4
+    assert hsdp["dp_shard"] == fsdp["dp_shard"]
+    # tp 2 on 4 tokens of width 8: an all-reduce of 4 x 8 x 4 = 128 bytes sends 2 x 1/2 x 128 = 128 bytes; 7 per layer
+    # (forward o, down; backward q, k, v, gate, up), one for the embedding; the head all-gathers 4 x 16 x 4 bytes of
+    # logits (sends half) and all-reduces its input gradient.
+    tp = evaluate(llama, Mesh(tp=2), fp32(global_batch=1), Hardware(devices=2)).comm_bytes
+    assert tp["tp"] == 2 * 7 * 128 + 128 + 0.5 * 256 + 128  # = 2176
+    # pp 2, 2 microbatches: stage 0 sends hidden states (128 bytes) + the int64 attention mask (32), stage 1 sends
+    # their gradient (128); averaged over the two ranks
+    pp = evaluate(llama, Mesh(pp=2), fp32(global_batch=2), Hardware(devices=2)).comm_bytes
+    assert pp["pp"] == 0.5 * 2 * (128 + 32 + 128)
+    # gradient accumulation repeats every micro-step's traffic
+    accumulated = evaluate(llama, Mesh(dp_shard=2), fp32(global_batch=6), Hardware(devices=2))
+    assert accumulated.accumulation == 3 and accumulated.comm_bytes["dp_shard"] == 3 * fsdp["dp_shard"]
+
+
+def test_ranking_puts_fitting_meshes_first_then_the_fastest(llama):
+    hardware = Hardware(devices=4, memory_bytes=20_000)  # bytes: only the sharded meshes fit
+    candidates, _ = plan(llama, fp32(global_batch=4), hardware)
+    fits = [c.fits for c in candidates]
+    assert any(fits) and not all(fits)
+    assert fits == sorted(fits, reverse=True)
+    fitting = [c.step_seconds for c in candidates if c.fits]
+    assert fitting == sorted(fitting)
+    assert all(c.peak_bytes <= 0.9 * 20_000 for c in candidates if c.fits)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "1b"])
+def test_table_prints_for_the_reference_presets(preset, capsys):
+    assert (
+        main(["--preset", preset, "--devices", "8", "--memory-gb", "80", "--devices-per-node", "8", "--top", "5"]) == 0
+    )
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith(preset) and "M parameters" in lines[0]
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#"))
+    rows = [line for line in lines[header + 2 : header + 7] if line.strip()[:1].isdigit()]
+    assert len(rows) == 5 and rows[0].split()[0] == "1"
+    assert "candidates" in out and "refused" in out
+
+
+def test_table_prints_for_an_hf_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    code = main(["--hf-config", str(tmp_path / "config.json"), "--devices", "4", "--tokens", "16", "--top", "0"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hf:llama")
+    assert "dp_shard4" in out and "tp2" in out and "pp2" in out
+
+
+def test_cli_subcommand_exit_code_and_json(tmp_path, capsys):
+    from lightning_mm import cli
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    out = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(
+            ["plan", "--hf-config", str(tmp_path), "--devices", "4", "--devices-per-node", "2", "--json", str(out)]
+        )
+    assert exit_info.value.code == 0
+    report = json.loads(out.read_text())
+    assert report["model"]["parameters"] == 2 * LAYER + ROOT
+    assert report["hardware"]["devices_per_node"] == 2
+    candidates = report["candidates"]
+    assert len(candidates) >= 2 and {"mesh", "memory", "comm_bytes", "time", "fits"} <= set(candidates[0])
+    assert all(c["mesh"]["tp"] <= 2 for c in candidates)  # tp groups stay inside the 2-device nodes
+    assert report["refused"] and all(r["reasons"] for r in report["refused"])
+    with pytest.raises(SystemExit) as help_info:
+        cli.main(["plan", "--help"])
+    assert help_info.value.code == 0
+    assert "assumptions" in capsys.readouterr().out
+
+
+def test_format_table_marks_what_does_not_fit(llama):
+    hardware = Hardware(devices=2, memory_bytes=1000)
+    candidates, _ = plan(llama, fp32(global_batch=2), hardware)
+    table = format_table(candidates, hardware)
+    assert " NO " in table and "MiB" in table
+    assert f"{1000 / GIB:.2f} GiB" in table
+
+
+def test_planning_for_an_hf_config_imports_no_lightning(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    code = (
+        "import sys; from lightning_mm.planning import main; "
+        f"main(['--hf-config', {str(tmp_path)!r}, '--devices', '2']); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'transformers')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
