@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import lightning as L
@@ -18,7 +17,7 @@ from lightning_mm.models.metrics import ImageTextRecallAtK
 from lightning_mm.models.vlm.losses import VLMLosses, compute_losses
 from lightning_mm.models.vlm.model import VisionLanguageModel, build_config
 from lightning_mm.models.vlm.parallelize import vlm_parallel_plan
-from lightning_mm.parallel.collectives import group_size
+from lightning_mm.models.vlm.pipeline import unit_costs
 from lightning_mm.parallel.protocol import ParallelPlan
 
 __all__ = ["VLMModule"]
@@ -76,7 +75,9 @@ class VLMModule(L.LightningModule):
         )
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self.val_recall = ImageTextRecallAtK(top_k=1)
-        self._last_step_end: float | None = None
+        # Read by Lightning's ThroughputMonitor (lightning_mm.callbacks.MultimodalThroughput) after every batch;
+        # set from the batch's shape in on_train_batch_start / on_validation_batch_start.
+        self.flops_per_batch: int | None = None
 
     # ------------------------------------------------------------------------------------------ helpers
 
@@ -95,6 +96,15 @@ class VLMModule(L.LightningModule):
             group=self.data_parallel_group(),
         )
         return losses, output
+
+    def step_flops(self, batch: MultimodalBatch, train: bool = True) -> int:
+        """Matmul FLOPs of one step of the whole model on ``batch`` (this rank's batch, padding slots included, as
+        executed): the forward estimate of :func:`lightning_mm.models.vlm.pipeline.unit_costs` summed over the
+        units for the batch's ``(rows, patch slots, token slots)``, x3 for a training step (backward ~2x forward),
+        x1 for evaluation. No activation recomputation is counted."""
+        rows, patches, tokens = batch.num_rows, batch.patch_segment.shape[1], batch.tokens.shape[1]
+        forward = sum(unit_costs(self.config, rows, patches, tokens).values())
+        return int(round((3 if train else 1) * forward))
 
     def _log_losses(self, stage: str, losses: VLMLosses, batch_size: int, on_step: bool) -> None:
         # Each rank's loss is its share of the global mean (see models/losses.py): the rank average,
@@ -143,22 +153,15 @@ class VLMModule(L.LightningModule):
     def training_step(self, batch: MultimodalBatch, batch_idx: int) -> torch.Tensor:
         losses, _ = self._losses(batch)
         self._log_losses("train", losses, max(batch.num_samples, 1), on_step=True)
-        now = time.perf_counter()
-        if self._last_step_end is not None:
-            # Wall time between consecutive steps (data loading included), samples of all data-parallel ranks.
-            samples = batch.num_samples * group_size(self.data_parallel_group())
-            self.log(
-                "samples_per_sec",
-                samples / max(now - self._last_step_end, 1e-9),
-                prog_bar=True,
-                on_step=True,
-                batch_size=max(batch.num_samples, 1),
-            )
-        self._last_step_end = now
         return losses.total
 
-    def on_train_epoch_start(self) -> None:
-        self._last_step_end = None
+    # Throughput (samples/s, tokens/s, FLOPs/s, MFU) is logged by the MultimodalThroughput callback, which reads
+    # flops_per_batch. These hooks also run under pipeline parallelism, where the strategy replaces training_step.
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.flops_per_batch = self.step_flops(batch, train=True) if isinstance(batch, MultimodalBatch) else None
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.flops_per_batch = self.step_flops(batch, train=False) if isinstance(batch, MultimodalBatch) else None
 
     def validation_step(self, batch: MultimodalBatch, batch_idx: int) -> None:
         losses, output = self._losses(batch)
