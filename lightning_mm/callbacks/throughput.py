@@ -12,9 +12,6 @@ from lightning_mm.batch import PAD_SEGMENT, MultimodalBatch
 
 __all__ = ["MultimodalThroughput", "batch_samples", "batch_real_tokens"]
 
-PREFIX = "throughput/"
-"""Every metric of the monitor is logged as ``throughput/<Lightning's name>`` (one W&B section)."""
-
 
 def batch_samples(batch: MultimodalBatch) -> int:
     """Samples (image-caption pairs) in the batch: several per row when packed."""
@@ -38,8 +35,8 @@ class MultimodalThroughput(ThroughputMonitor):
 
     Lightning's :class:`~lightning.fabric.utilities.throughput.Throughput` does the arithmetic: rates are rolling
     averages over the last ``window_size`` batches (wall time between batch ends on rank 0, data loading included,
-    validation excluded), logged when the trainer logs (``log_every_n_steps``), under
-    ``throughput/<stage>/...`` (``stage`` is ``train`` or ``validate``):
+    validation excluded), logged when the trainer logs (``log_every_n_steps``), under Lightning's names
+    ``<stage>/...`` (``stage`` is ``train`` or ``validate``):
 
     * ``device/batches_per_sec``, ``device/samples_per_sec``: per data-parallel replica; samples are image-caption
       pairs (:func:`batch_samples`), so ``samples_per_sec = batches_per_sec x samples per batch``.
@@ -84,6 +81,9 @@ class MultimodalThroughput(ThroughputMonitor):
         devices_per_replica = max(trainer.world_size // max(replicas, 1), 1)
         peak = self.peak_flops_per_device if self.peak_flops_per_device is not None else self.available_flops
         self.available_flops = peak
+        # ThroughputMonitor.setup builds its Throughput objects with trainer.world_size and takes no argument saying
+        # that tensor / pipeline peers share a batch (lightning/pytorch/callbacks/throughput_monitor.py, Lightning
+        # 2.6), so the replica count and the replica's peak are set on them after it ran.
         for throughput in self._throughputs.values():
             throughput.world_size = replicas
             throughput.available_flops = peak * devices_per_replica if peak else None
@@ -106,15 +106,3 @@ class MultimodalThroughput(ThroughputMonitor):
     ) -> None:
         if not self._skip(batch):
             super().on_validation_batch_end(trainer, pl_module, outputs, batch, *args, **kwargs)
-
-    def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
-        # Lightning's _compute, with the names under throughput/ instead of next to train/loss.
-        if not trainer._logger_connector.should_update_logs:
-            return
-        stage = trainer.state.stage
-        assert stage is not None
-        throughput = self._throughputs[stage]
-        metrics = {
-            f"{PREFIX}{stage.value}{throughput.separator}{key}": value for key, value in throughput.compute().items()
-        }
-        trainer._logger_connector.log_metrics(metrics, step=iter_num)

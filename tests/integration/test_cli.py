@@ -105,7 +105,7 @@ def test_fit_tiny_end_to_end_logs_to_offline_wandb(tmp_path):
     for key in (
         "train/loss",
         "train/caption_loss",
-        "throughput/train/device/samples_per_sec",
+        "train/device/samples_per_sec",
         "val/loss",
         "val/recall_at_1",
         "val/token_accuracy",

@@ -1,5 +1,5 @@
 """Throughput metrics through Lightning's ThroughputMonitor (``MultimodalThroughput``): the FLOPs per batch, the
-data-parallel counting, and the ``throughput/...`` metrics in the offline W&B history of ``lightning-mm fit``."""
+data-parallel counting, and the ``train/...`` throughput metrics in the offline W&B history of ``lightning-mm fit``."""
 
 from __future__ import annotations
 
@@ -146,15 +146,15 @@ def test_fit_tiny_logs_throughput_metrics_to_offline_wandb(tmp_path):
     samples, tokens = series("data/samples"), series("data/real_tokens")  # PaddingStats, every step
     assert len(samples) == len(tokens) == steps
     # Totals since the start of training: every batch, sample and real token counted once.
-    assert series("throughput/train/batches")[-1] == steps
-    assert series("throughput/train/samples")[-1] == sum(samples)
-    assert series("throughput/train/lengths")[-1] == sum(tokens)
+    assert series("train/batches")[-1] == steps
+    assert series("train/samples")[-1] == sum(samples)
+    assert series("train/lengths")[-1] == sum(tokens)
     # Rates once the window is full, at every logged step after that (log_every_n_steps: 1).
-    batches_per_sec = series("throughput/train/device/batches_per_sec")
-    samples_per_sec = series("throughput/train/device/samples_per_sec")
-    items_per_sec = series("throughput/train/device/items_per_sec")
-    flops_per_sec = series("throughput/train/device/flops_per_sec")
-    mfu = series("throughput/train/device/mfu")
+    batches_per_sec = series("train/device/batches_per_sec")
+    samples_per_sec = series("train/device/samples_per_sec")
+    items_per_sec = series("train/device/items_per_sec")
+    flops_per_sec = series("train/device/flops_per_sec")
+    mfu = series("train/device/mfu")
     assert len(batches_per_sec) == len(samples_per_sec) == len(items_per_sec) == len(mfu) == steps - window + 1
     for i, step in enumerate(range(window, steps + 1)):
         # The window's rate covers the last window - 1 batches: samples/s = steps/s x their mean samples per step.
@@ -177,6 +177,6 @@ def test_fit_tiny_logs_throughput_metrics_to_offline_wandb(tmp_path):
     for flops, rate in zip(flops_per_sec, batches_per_sec, strict=True):
         assert flops == pytest.approx(rate * step_flops, rel=1e-6)
     # Steps/s is plausible against the run's own clock: the window's steps took at most the training time logged.
-    train_time = series("throughput/train/time")
+    train_time = series("train/time")
     assert batches_per_sec[-1] >= (window - 1) / train_time[-1]
     assert metric_series(history, "samples_per_sec") == []  # the hand-written rate is gone
