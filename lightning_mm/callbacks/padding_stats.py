@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -19,6 +20,9 @@ class PaddingStats(L.Callback):
     progress bar; ``data/real_tokens``, ``data/padded_tokens``, ``data/real_patches``,
     ``data/padded_patches`` and ``data/samples`` to the logger. When the DataModule keeps an
     ``error_log`` (``ImageTextWebDataModule``), its counts per kind are logged as ``data/errors/<kind>``.
+    When the DataModule reports the data-parallel balance of the step (``ImageTextWebDataModule.last_step_balance``:
+    max / mean over the ranks of the planned batch cost, see its ``balance`` option), it is logged as
+    ``data/balance_max_over_mean`` (read from the plan: no collective).
     """
 
     def __init__(self, log_errors_every_n_steps: int = 50) -> None:
@@ -38,6 +42,9 @@ class PaddingStats(L.Callback):
         pl_module.log("data/padding_pct", 100.0 * padded / max(real + padded, 1), prog_bar=True, batch_size=size)
         for name, value in counts.items():
             pl_module.log(f"data/{name}", float(value), batch_size=size, reduce_fx="sum")
+        balance = getattr(trainer.datamodule, "last_step_balance", None) if trainer.datamodule is not None else None
+        if balance is not None and math.isfinite(balance):
+            pl_module.log("data/balance_max_over_mean", float(balance), batch_size=size)
         error_log = getattr(trainer.datamodule, "error_log", None) if trainer.datamodule is not None else None
         if error_log is not None and trainer.global_step % self.log_errors_every_n_steps == 0:
             for kind, value in error_log.counts.items():

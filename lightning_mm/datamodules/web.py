@@ -15,7 +15,8 @@ streaming:
    batches ``r, r + W, r + 2W, ...``. The last ``len % W`` global batches are dropped so every rank has
    the same number of steps; together with what regrouping leaves over (a last partial pack batch),
    that is the documented remainder, counted in ``epoch_stats``. Every other sample is used exactly
-   once per epoch, which ``sample_ids`` make checkable.
+   once per epoch, which ``sample_ids`` make checkable. With ``balance=True`` the dealing instead evens
+   the compute cost (``regroup.batch_cost``) of the batches the ranks take at each step.
 3. **Load** (in DataLoader workers): worker ``w`` of a rank loads the rank's planned batches
    ``w, w + workers, ...`` by seeking into the shards, decodes, patchifies, tokenizes and collates
    them. PyTorch's DataLoader returns worker outputs round-robin, so the batch order is the plan's
@@ -67,7 +68,18 @@ from lightning_mm.datamodules.decode import (
     read_sample_files,
 )
 from lightning_mm.datamodules.filters import FILTER_KINDS, QualityFilters, describe_counts
-from lightning_mm.datamodules.regroup import bucket_batches, collate_packed, pack_rows
+from lightning_mm.datamodules.regroup import (
+    CostCoefficients,
+    balance_samples,
+    balanced_rounds,
+    batch_cost,
+    bucket_batches,
+    collate_packed,
+    flop_coefficients,
+    max_over_mean,
+    pack_rows,
+    partition_rows,
+)
 from lightning_mm.datamodules.stages import (
     PatchedSample,
     TextTokenizer,
@@ -77,7 +89,7 @@ from lightning_mm.datamodules.stages import (
 )
 from lightning_mm.parallel.collectives import all_reduce_sum
 
-__all__ = ["ImageTextWebDataModule", "EpochPlan"]
+__all__ = ["ImageTextWebDataModule", "EpochPlan", "deal_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +115,9 @@ class EpochPlan:
     """Samples in the split before regrouping."""
     used_samples: int
     """Samples in the batches of all data-parallel ranks."""
+    step_balance: list[float] = dataclasses.field(default_factory=list)
+    """``step_balance[i]``: max / mean over the data-parallel ranks of the cost (``balance_cost``) of their batch ``i``
+    (the same on every rank; 1.0 is perfect balance); nan for the steps a resumed run skips (consumed before)."""
 
     @property
     def dropped_samples(self) -> int:
@@ -112,6 +127,145 @@ class EpochPlan:
 def _stand_in(index: int, num_patches: int, num_tokens: int) -> PatchedSample:
     """A sample with the right lengths and no data, for planning (the regroup stages read only lengths)."""
     return PatchedSample(index, torch.empty(num_patches, 0), torch.empty(num_patches, 2), torch.empty(num_tokens))
+
+
+class _BatchCosts:
+    """Cost (:func:`~lightning_mm.datamodules.regroup.batch_cost`) of planned batches of record indices."""
+
+    def __init__(self, lengths: list[tuple[int, int]], coefficients: CostCoefficients, cfg: dict[str, Any]) -> None:
+        self.lengths, self.coefficients = lengths, coefficients
+        # Packed batches are padded to the row budgets; one-sample-per-row batches to their widest row.
+        packed = cfg["regroup"] == "pack"
+        self.widths = (cfg["max_patches_per_row"], cfg["max_tokens_per_row"]) if packed else (None, None)
+
+    def __call__(self, batch: list[list[int]]) -> float:
+        return batch_cost([[self.lengths[i] for i in row] for row in batch], self.coefficients, *self.widths)
+
+    def row(self, row: list[int]) -> float:
+        """One row's share (the batch terms aside): additive over the rows of a batch of fixed row width."""
+        return self([row]) - self.coefficients.batch
+
+
+Batch = list[list[int]]
+"""A planned batch: ``batch[row]`` = record indices of the row."""
+
+
+def deal_batches(
+    batches: list[Batch],
+    lengths: list[tuple[int, int]],
+    config: dict[str, Any],
+    coefficients: CostCoefficients,
+    world: int,
+    epoch: int = 0,
+    done: int = 0,
+    saved_world: int | None = None,
+) -> tuple[list[list[Batch]], int, list[float]]:
+    """Deal an epoch's global batches to ``world`` data-parallel ranks, after the ``done`` a checkpoint consumed.
+
+    ``config``: the DataModule's ``regroup_config()`` (``regroup``, ``epoch_policy``, ``seed``, the row budgets,
+    ``balance``); ``lengths[i]``: ``(patches, tokens)`` of record ``i``; ``saved_world``: the data-parallel ranks of
+    the checkpoint (None: ``world``). Round-robin: rank ``r`` takes ``batches[done:][r::world]``; the last
+    ``len % world`` are left out (``drop``) or the last round is short (``pad``). ``balance``: see
+    :func:`_balanced_rounds`.
+
+    Returns:
+        ``rounds`` (``rounds[k][r]``: rank ``r``'s batch of this run's step ``k``; a ``pad`` round may be short: the
+        ranks past its end take an empty batch), the samples the epoch uses (consumed ones included), and the max /
+        mean batch cost over the ``world`` ranks of every round.
+    """
+    costs = _BatchCosts(lengths, coefficients, config)
+    if config.get("balance"):
+        rounds, used = _deal_balanced(batches, done, saved_world or world, world, config, epoch, costs)
+    else:
+        rest = batches[done:]
+        usable = len(rest) - len(rest) % world if config["epoch_policy"] == "drop" else len(rest)
+        rounds = [rest[start : min(start + world, usable)] for start in range(0, usable, world)]
+        used = sum(len(row) for batch in batches[: done + usable] for row in batch)
+    empty = costs([])
+    balance = [max_over_mean([costs(b) for b in members] + [empty] * (world - len(members))) for members in rounds]
+    return rounds, used, balance
+
+
+def _deal_balanced(
+    batches: list[Batch],
+    done: int,
+    saved_world: int,
+    world: int,
+    config: dict[str, Any],
+    epoch: int,
+    costs: _BatchCosts,
+) -> tuple[list[list[Batch]], int]:
+    """The rounds of this run with ``balance=True``, and the samples used by the epoch.
+
+    The dealing depends on the number of ranks, so the ``done`` global batches a checkpoint consumed are the first
+    rounds of the dealing *to the checkpoint's* ``saved_world`` ranks; the base batches those rounds did not take are
+    dealt anew to this run's ranks (a resume on as many ranks continues the same dealing).
+    """
+    if done % saved_world:
+        raise ValueError(
+            f"resuming a balanced epoch: {done} global batches consumed is not a whole number of steps of "
+            f"{saved_world} data-parallel ranks"
+        )
+    consumed: list[int] = []
+    rounds = None
+    if done or saved_world == world:
+        saved = _balanced_rounds(list(range(len(batches))), batches, saved_world, config, epoch, 0, costs)
+        consumed = [i for base, _ in saved[: done // saved_world] for i in base]
+        if saved_world == world:  # the same dealing, continued
+            rounds = saved[done // saved_world :]
+    if rounds is None:
+        taken = set(consumed)
+        remaining = [i for i in range(len(batches)) if i not in taken]
+        rounds = _balanced_rounds(remaining, batches, world, config, epoch, done, costs)
+    used = sum(len(row) for i in consumed + [i for base, _ in rounds for i in base] for row in batches[i])
+    return [dealt for _, dealt in rounds], used
+
+
+def _balanced_rounds(
+    indices: list[int],
+    batches: list[Batch],
+    world: int,
+    config: dict[str, Any],
+    epoch: int,
+    done: int,
+    costs: _BatchCosts,
+) -> list[tuple[list[int], list[Batch]]]:
+    """Deal the base batches ``indices`` (in plan order) to ``world`` ranks: ``(base batches, dealt batches)`` of every
+    round, in step order.
+
+    As round-robin, the last ``len % world`` base batches are left out (``drop``) or make a last short round
+    (``pad``). Packed batches (constant shapes) and fixed-size batches keep the round-robin rounds (the samples of
+    every step are those of round-robin, in the same order) and re-deal their rows between the round's batches
+    (:func:`~lightning_mm.datamodules.regroup.partition_rows`, the same row count per batch); bucket batches
+    (variable shapes) are grouped into rounds of similar cost
+    (:func:`~lightning_mm.datamodules.regroup.balanced_rounds`, rounds shuffled with ``(seed, epoch)``), then
+    samples move between the round's batches within the budgets
+    (:func:`~lightning_mm.datamodules.regroup.balance_samples`).
+    """
+    full = len(indices) - len(indices) % world
+    tail = indices[full:] if config["epoch_policy"] == "pad" else []
+    if config["regroup"] == "bucket":
+        rng = random.Random(f"{config['seed']}-{epoch}-balance-{world}-{done}")
+        rounds = []
+        for group in balanced_rounds([costs(batches[i]) for i in indices[:full]], world, rng):
+            base = [indices[k] for k in group]
+            dealt = balance_samples(
+                [[costs.lengths[row[0]] for row in batches[i]] for i in base],
+                costs.coefficients,
+                config["max_patches_per_batch"],
+                config["max_tokens_per_batch"],
+            )
+            rounds.append((base, [[batches[base[k]][j] for k, j in batch] for batch in dealt]))
+    else:
+        rounds = []
+        for start in range(0, full, world):
+            group = indices[start : start + world]
+            rows = [row for i in group for row in batches[i]]
+            parts = partition_rows([costs.row(row) for row in rows], [len(batches[i]) for i in group])
+            rounds.append((group, [[rows[k] for k in part] for part in parts]))
+    if tail:
+        rounds.append((tail, [batches[i] for i in tail]))
+    return rounds
 
 
 class _PlannedSplit(IterableDataset):
@@ -134,20 +288,25 @@ class _PlannedSplit(IterableDataset):
         self.max_image_pixels = owner.hparams.max_image_pixels
         self.epoch, self.skip = 0, 0
         self.resumed_global: int | None = None
-        self._plans: dict[tuple[int, int | None], EpochPlan] = {}
+        self.resumed_world: int | None = None
+        self.cost = owner.cost_coefficients
+        self._plans: dict[tuple[int, int | None, int | None], EpochPlan] = {}
 
     # ----------------------------------------------------------------------------------- planning
 
-    def set_epoch(self, epoch: int, skip: int = 0, resumed_global: int | None = None) -> None:
+    def set_epoch(
+        self, epoch: int, skip: int = 0, resumed_global: int | None = None, resumed_world: int | None = None
+    ) -> None:
         """``skip``: this rank's batches of the epoch consumed before a checkpoint (Lightning's count, restored with
-        its loops); ``resumed_global``: the *global* batches consumed by then, by however many ranks."""
-        self.epoch, self.skip, self.resumed_global = epoch, skip, resumed_global
+        its loops); ``resumed_global``: the *global* batches consumed by then, by however many ranks;
+        ``resumed_world``: that many data-parallel ranks (the balanced dealing depends on it; None: this run's)."""
+        self.epoch, self.skip, self.resumed_global, self.resumed_world = epoch, skip, resumed_global, resumed_world
 
     def plan(self, epoch: int) -> EpochPlan:
         resumed = self.resumed_global if epoch == self.epoch else None
-        key = (epoch, resumed)
+        key = (epoch, resumed, self.resumed_world if resumed is not None else None)
         if key not in self._plans:
-            self._plans = {key: self._make_plan(epoch, resumed)}  # keep one: plans of big datasets are big
+            self._plans = {key: self._make_plan(epoch, *key[1:])}  # keep one: plans of big datasets are big
         return self._plans[key]
 
     def max_patches_per_image(self, epoch: int) -> int:
@@ -170,7 +329,7 @@ class _PlannedSplit(IterableDataset):
             for r, (_, tokens) in zip(self.records, self.lengths, strict=True)
         ]
 
-    def _make_plan(self, epoch: int, resumed_global: int | None = None) -> EpochPlan:
+    def _make_plan(self, epoch: int, resumed_global: int | None = None, resumed_world: int | None = None) -> EpochPlan:
         cfg = self.config
         order = list(range(len(self.records)))
         # String seeds hash with SHA-512 in random.Random: the same plan in every process.
@@ -209,19 +368,15 @@ class _PlannedSplit(IterableDataset):
         # what the checkpoint had not consumed (global batches `done:`) to the ranks of *this* run, so a checkpoint
         # of W ranks resumes on W' with every sample of the epoch used once (with W' = W: the original dealing).
         done = min(resumed_global, len(batches)) if resumed_global is not None else 0
-        rest = batches[done:]
-        if cfg["epoch_policy"] == "drop":
-            usable = len(rest) - len(rest) % self.world
-            mine = rest[self.rank : usable : self.world]
-        else:  # "pad": every batch is used; ranks short of one in the last round get an empty batch
-            usable = len(rest)
-            mine = rest[self.rank :: self.world]
-            mine += [[]] * (-(-len(rest) // self.world) - len(mine))
+        rounds, used, balance = deal_batches(
+            batches, lengths, cfg, self.cost, self.world, epoch, done, resumed_world if done else None
+        )
+        mine = [members[self.rank] if self.rank < len(members) else [] for members in rounds]
         # Positions of the batches this rank consumed before the checkpoint (skipped, never loaded): Lightning counts
         # them as done, so the epoch's length is theirs plus what is left.
-        mine = [[] for _ in range(self.skip if resumed_global is not None else 0)] + mine
-        used = sum(len(row) for batch in batches[: done + usable] for row in batch)
-        return EpochPlan(mine, segments, len(order), used)
+        skipped = self.skip if resumed_global is not None else 0
+        mine = [[] for _ in range(skipped)] + mine
+        return EpochPlan(mine, segments, len(order), used, [math.nan] * skipped + balance)
 
     def __len__(self) -> int:
         # The whole epoch, also when resuming: Lightning restores how many batches it has consumed and
@@ -240,6 +395,7 @@ class _PlannedSplit(IterableDataset):
             # Counts travel with the batch to the main process (read in on_before_batch_transfer).
             batch.data_errors = {kind: count for kind, count in errors.counts.items() if count}
             batch.data_error_examples = dict(errors.examples)
+            batch.step_balance = plan.step_balance[position]
             errors.counts = dict.fromkeys(errors.counts, 0)
             yield batch
 
@@ -300,6 +456,29 @@ def _all_padding(rows: int, patches: int, tokens: int, segments: int, patch_size
     )
 
 
+def _cost_coefficients(spec: str | dict[str, Any], patch_size: int) -> CostCoefficients:
+    """``balance_cost`` -> coefficients; errors name the argument."""
+    spec = {"preset": spec} if isinstance(spec, str) else spec
+    if not isinstance(spec, dict):
+        raise ValueError(f"balance_cost must be a preset name or a dict, got {spec!r}")
+    if "preset" not in spec:
+        try:
+            return CostCoefficients.from_dict(spec)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"balance_cost: {error}") from None
+    from lightning_mm.models.vlm.model import PRESETS, build_config  # (the data side needs only the widths)
+
+    extra = sorted(set(spec) - {"preset", "attention"})
+    if extra or spec["preset"] not in PRESETS:
+        raise ValueError(
+            f"balance_cost: preset must be one of {sorted(PRESETS)} (with at most 'attention'), got {spec!r}"
+        )
+    try:
+        return flop_coefficients(build_config(spec["preset"], patch_size=patch_size), spec.get("attention", "segment"))
+    except ValueError as error:
+        raise ValueError(f"balance_cost: {error}") from None
+
+
 class ImageTextWebDataModule(L.LightningDataModule):
     """Image-text WebDataset shards with alignment-aware regrouping, equal steps per rank and exact resume.
 
@@ -351,6 +530,18 @@ class ImageTextWebDataModule(L.LightningDataModule):
         filters: quality filters for the training split (:mod:`lightning_mm.datamodules.filters`), e.g.
             ``{"min_image_side": 64, "max_aspect_ratio": 3, "min_caption_tokens": 3, "min_similarity": 0.28,
             "deduplicate": True}``; each dropped sample is counted by kind and printed after indexing.
+        balance: deal the global batches so that the data-parallel ranks of every step get batches of similar
+            compute cost (``balance_cost``) instead of round-robin: packed and fixed-size batches keep the
+            round-robin steps (the same samples per step, in the same order) and move rows between the step's
+            batches (shapes unchanged); bucket batches are grouped into steps of similar cost (steps shuffled with
+            ``(seed, epoch)``). The dealing depends on the number of ranks; a resume on another number continues
+            with the batches the checkpoint had not consumed. ``EpochPlan.step_balance`` (logged by
+            ``PaddingStats`` as ``data/balance_max_over_mean``, printed per epoch) is computed either way.
+        balance_cost: cost model of a batch (:func:`~lightning_mm.datamodules.regroup.batch_cost`): a reference
+            model preset (FLOP coefficients from its widths and layers, varlen attention:
+            :func:`~lightning_mm.datamodules.regroup.flop_coefficients`), ``{"preset": ..., "attention": "row"}``
+            for dense masked attention over padded rows (the reference implementation), or the fields of
+            :class:`~lightning_mm.datamodules.regroup.CostCoefficients` (e.g. fitted to measured step times).
 
     Every skipped sample is counted by kind and printed: after indexing each split, at the end of every epoch
     and when the run ends (with an example shard / key per kind), whatever callbacks are present.
@@ -385,6 +576,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
         allow_replan: bool = False,
         filters: dict[str, Any] | None = None,
         curriculum: dict[int, int] | None = None,
+        balance: bool = False,
+        balance_cost: str | dict[str, Any] = "1b",
     ) -> None:
         super().__init__()
         check_image_pixels(max_image_pixels)
@@ -436,12 +629,17 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.patch_size = patch_size
         self.max_patches_per_image = max_patches_per_image
+        self.cost_coefficients = _cost_coefficients(balance_cost, patch_size)
+        """Cost model of the data-parallel balance (``balance_cost``)."""
+        self.last_step_balance: float | None = None
+        """max / mean batch cost over the data-parallel ranks of the training step being run (``PaddingStats``)."""
         self.error_log = ErrorLog(on_error)
         self._passes: dict[str, dict[str, Any]] = {}
         self._tokenizer: TextTokenizer | None = None
         self._splits: dict[str, tuple[list[SampleRecord], list[tuple[int, int]]]] = {}
         self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0}
         self._resume: dict[str, int] | None = None
+        self._resume_world: int | None = None
         self.filter_counts: dict[str, int] = dict.fromkeys(FILTER_KINDS, 0)
         """Training samples each quality filter dropped at indexing (:data:`~lightning_mm.datamodules.filters.
         FILTER_KINDS`)."""
@@ -465,6 +663,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
             # (only when set: a checkpoint from before the filters existed keeps its fingerprint)
             **({"filters": self._filters.as_dict()} if self._filters.active else {}),
             **({"curriculum": dict(sorted(hp.curriculum.items()))} if hp.curriculum else {}),
+            # (only when set, as above: the balanced dealing orders the epoch by these costs)
+            **({"balance": True, "balance_cost": self.cost_coefficients.as_dict()} if hp.balance else {}),
         }
 
     # ------------------------------------------------------------------------------------ indexing
@@ -603,6 +803,12 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 "batches that would not give every data-parallel rank a step, and a last partial packed batch; "
                 "epoch_policy='pad' keeps them)"
             )
+            steps = [b for b in plan.step_balance if not math.isnan(b)]
+            if steps:  # (this run's steps; max / mean batch cost over the data-parallel ranks, per step)
+                _print(
+                    f"  data-parallel balance (balance={self.hparams.balance}): batch cost max / mean over ranks "
+                    f"{sum(steps) / len(steps):.3f} averaged over {len(steps)} steps, worst step {max(steps):.3f}"
+                )
 
     def _global_rank(self) -> int:
         return self.trainer.global_rank if self.trainer is not None else 0
@@ -654,10 +860,12 @@ class ImageTextWebDataModule(L.LightningDataModule):
         if split == "train" and self._resume is not None:
             # Lightning asks the loader's length before iterating it: a resumed epoch dealt to another number of
             # ranks has another length (the consumed batches plus this run's share of the rest).
-            dataset.set_epoch(self._resume["epoch"], self._resume["batches"], self._resume["global_batches"])
+            resume = self._resume
+            dataset.set_epoch(resume["epoch"], resume["batches"], resume["global_batches"], self._resume_world)
         if split == "val":
             dataset.config = {**dataset.config, "epoch_policy": "pad", "partial_last_batch": True}
             dataset.config.pop("curriculum", None)  # validation is always scored at full resolution
+            dataset.config.pop("balance", None)  # (round-robin: each pair scored once either way)
             if self.hparams.regroup == "none" and self.hparams.val_batch_size:
                 dataset.config["batch_size"] = self.hparams.val_batch_size
         if len(dataset.plan(0).batches) == 0:
@@ -683,7 +891,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             on_exhausted=lambda: self._end_pass(split, dataset),
         )
 
-    def _train_epoch_and_skip(self) -> tuple[int, int]:
+    def _train_epoch_and_skip(self) -> tuple[int, int, int | None, int | None]:
         """Epoch to plan and batches to skip, asked each time the train loader is iterated.
 
         Idempotent within an epoch (Lightning may create the iterator more than once before the first
@@ -694,10 +902,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
             self._resume = None
         if self._resume is None:
             self._consumed = {"epoch": epoch, "batches": 0, "global_batches": 0}
-            return epoch, 0, None
+            return epoch, 0, None, None
         skip, done = self._resume["batches"], self._resume["global_batches"]
         self._consumed = {"epoch": epoch, "batches": skip, "global_batches": done}
-        return epoch, skip, done
+        return epoch, skip, done, self._resume_world
 
     def train_dataloader(self) -> EpochAwareLoader:
         return self._loader("train", shuffle=True, epoch_fn=self._train_epoch_and_skip)
@@ -715,6 +923,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         if self.trainer is not None and self.trainer.training:
             self._consumed["batches"] += 1  # this rank's (Lightning's count)
             self._consumed["global_batches"] += self._data_parallel_rank_and_size()[1]  # one per data-parallel rank
+            self.last_step_balance = getattr(batch, "step_balance", None)
         return batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -745,6 +954,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         )
         done = int(state_dict.get("global_batches", batches * int(saved_world)))
         self._resume = {"epoch": int(state_dict["epoch"]), "batches": batches, "global_batches": done}
+        self._resume_world = int(saved_world)  # the ranks the consumed batches were dealt to (balance=True)
         if saved is not None:
             now = self._fingerprint()
             reasons = []

@@ -361,3 +361,137 @@ def test_curriculum_raises_the_patch_cap_by_epoch(shards, capsys):
     assert dm.regroup_config()["curriculum"] == curriculum  # in the plan fingerprint: a resume checks it
     with pytest.raises(ValueError, match=r"curriculum\[1\] = 32.*max_patches_per_image=16"):
         _dm(shards, curriculum={0: 4, 1: 32})
+
+
+# ------------------------------------------------------------------------------ data-parallel balance
+
+_BALANCE_SETTINGS = {
+    # small batches, so that the 94 samples make enough of them for 4 ranks before and after
+    "pack": {"regroup": "pack", "rows_per_batch": 2, "max_patches_per_batch": 32, "max_tokens_per_batch": 96},
+    "bucket": {"regroup": "bucket", "max_patches_per_batch": 32, "max_tokens_per_batch": 96},
+}
+
+
+@pytest.mark.parametrize("regroup", ["pack", "bucket"])
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (4, 3), (3, 3)])
+def test_a_balanced_epoch_reshards_to_another_number_of_ranks(shards, regroup, before, after):
+    """As the round-robin test above with ``balance=True``, whose dealing depends on the number of ranks: the
+    consumed steps are those of the dealing to ``before`` ranks (the saved ``data_parallel_size``), the rest is
+    balanced anew for ``after`` ranks; every usable sample of the epoch once, equal steps."""
+    settings = {**_BALANCE_SETTINGS[regroup], "balance": True}
+    steps_before = len(_batches(_dm(shards, **settings), 0, before))
+    consumed = max(1, steps_before // 2)
+    seen = []
+    for rank in range(before):
+        for batch in _batches(_dm(shards, **settings), rank, before)[:consumed]:
+            seen += batch.sample_ids[batch.sample_ids >= 0].tolist()
+    state = {
+        **_dm(shards, **settings).state_dict(),
+        "batches": consumed,
+        "global_batches": consumed * before,
+        "data_parallel_size": before,
+    }
+    steps = []
+    for rank in range(after):
+        dm = _dm(shards, **settings)
+        dm.load_state_dict(state)
+        batches = _batches(dm, rank, after)
+        dataset = dm.train_dataloader().dataset
+        dataset.set_epoch(*dm._train_epoch_and_skip())
+        assert len(dataset) == consumed + len(batches)
+        steps.append(len(batches))
+        seen += [i for batch in batches for i in batch.sample_ids[batch.sample_ids >= 0].tolist()]
+    assert len(set(steps)) == 1 and steps[0] > 0
+    plan = dataset.plan(0)
+    assert len(seen) == len(set(seen)) == plan.used_samples
+    assert plan.used_samples + plan.dropped_samples == sum(SHARD_SIZES)
+    assert plan.used_samples > sum(SHARD_SIZES) * 0.7
+    # the plan's balance figures: nan for the consumed steps, this run's steps measured
+    assert all(b != b for b in plan.step_balance[:consumed]) and all(b >= 1 for b in plan.step_balance[consumed:])
+
+
+@pytest.mark.parametrize("regroup", ["pack", "bucket"])
+def test_balance_evens_the_step_cost_on_the_datamodule(shards, regroup):
+    def balance(on: bool) -> list[float]:
+        dm = _dm(shards, **_BALANCE_SETTINGS[regroup], balance=on)
+        _batches(dm, 0, 4)
+        return dm.train_dataloader().dataset.plan(0).step_balance
+
+    plain, balanced = balance(False), balance(True)
+    assert len(plain) == len(balanced) > 2
+    assert sum(balanced) / len(balanced) < sum(plain) / len(plain)
+    # the same samples used either way on 4 ranks, each once
+    ids = {}
+    for on in (False, True):
+        ids[on] = sorted(
+            i
+            for rank in range(4)
+            for b in _batches(_dm(shards, **_BALANCE_SETTINGS[regroup], balance=on), rank, 4)
+            for i in b.sample_ids[b.sample_ids >= 0].tolist()
+        )
+        assert len(ids[on]) == len(set(ids[on]))
+    assert ids[False] == ids[True]
+
+
+def test_balance_is_part_of_the_plan_fingerprint_and_checked(shards):
+    state = _dm(shards).state_dict()
+    with pytest.raises(ValueError, match=r"batching settings changed: \['balance', 'balance_cost'\]"):
+        _dm(shards, balance=True).load_state_dict(state)
+    balanced = _dm(shards, balance=True).state_dict()
+    _dm(shards, balance=True).load_state_dict(balanced)
+    with pytest.raises(ValueError, match=r"batching settings changed: \['balance_cost'\]"):
+        _dm(shards, balance=True, balance_cost="small").load_state_dict(balanced)
+    assert _dm(shards).regroup_config() == _dm(shards, balance_cost="small").regroup_config()  # unused: not in it
+    with pytest.raises(ValueError, match="balance_cost: preset must be one of"):
+        _dm(shards, balance_cost="2b")
+    with pytest.raises(ValueError, match="balance_cost: unknown cost coefficient"):
+        _dm(shards, balance_cost={"patches": 1.0})
+    assert _dm(shards, balance_cost={"preset": "small", "attention": "row"}).cost_coefficients.attention == "row"
+
+
+def test_step_balance_reaches_padding_stats(shards):
+    """Each training batch carries its step's balance to the DataModule (on_before_batch_transfer), which
+    PaddingStats logs as data/balance_max_over_mean; checked on 2 data-parallel ranks (fake trainer), then through
+    a real Trainer on one rank (hook order)."""
+    from lightning_mm.callbacks import PaddingStats
+
+    dm = _dm(shards, **_BALANCE_SETTINGS["bucket"])
+    batches = _batches(dm, 1, 2)
+    dm.trainer.training = True
+    plan = dm.train_dataloader().dataset.plan(0)
+    assert any(b > 1.01 for b in plan.step_balance)
+    logged = {}
+    module = SimpleNamespace(log=lambda name, value, **kwargs: logged.__setitem__(name, value))
+    trainer = SimpleNamespace(datamodule=dm, global_step=1)
+    for position, batch in enumerate(batches):
+        dm.on_before_batch_transfer(batch, 0)
+        PaddingStats().on_train_batch_start(trainer, module, batch, position)
+        assert logged["data/balance_max_over_mean"] == plan.step_balance[position]
+
+    class _Weight(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(()))
+            self.seen: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(float(self.trainer.callback_metrics["data/balance_max_over_mean"]))
+            return self.weight * batch.tokens.float().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    model = _Weight()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[PaddingStats()],
+    )
+    trainer.fit(model, datamodule=_dm(shards, **_BALANCE_SETTINGS["bucket"], balance=True))
+    assert model.seen == [1.0, 1.0, 1.0]  # one rank: every step is balanced
