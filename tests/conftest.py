@@ -6,6 +6,16 @@ import pytest
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# No tqdm monitor thread in the test process: tests that load Hugging Face models in-process start one, and a
+# thread running while later tests fork DataLoader workers is a fork-safety hazard (one full-suite run hung in a
+# forked-worker DataLoader test after the HF tests; not reproduced alone). tqdm documents monitor_interval = 0.
+try:
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:  # pragma: no cover
+    pass
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
