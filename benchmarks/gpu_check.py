@@ -509,6 +509,20 @@ def synthetic_batch(
     return collate_packed(packed, patches_per_row, tokens_per_row, pad_id=0, rows_per_batch=rows)
 
 
+def batch_from_args(config, args, rows: int):
+    """:func:`synthetic_batch` with ``rows`` rows and the shape options of the command line."""
+    return synthetic_batch(
+        config,
+        rows,
+        args.patches_per_row,
+        args.tokens_per_row,
+        tuple(args.image_side),
+        tuple(args.caption_tokens),
+        args.missing_image_every,
+        args.seed,
+    )
+
+
 # --------------------------------------------------------------------------------------------- training
 
 
@@ -629,16 +643,7 @@ def train_check(args: argparse.Namespace, device: torch.device, report: dict, sa
 
     rows = args.rows
     while True:
-        batch = synthetic_batch(
-            config,
-            rows,
-            args.patches_per_row,
-            args.tokens_per_row,
-            tuple(args.image_side),
-            tuple(args.caption_tokens),
-            args.missing_image_every,
-            args.seed,
-        ).to(device)
+        batch = batch_from_args(config, args, rows).to(device)
         geo = BatchGeometry.from_batch(batch)
         oom = None
         try:
@@ -793,16 +798,7 @@ def plan_check(args: argparse.Namespace, device: torch.device, report: dict, sav
     trainer = Trainer(config, device, args.precision, args.lr)
     if top.activation_checkpointing:
         apply_activation_checkpointing(vlm_blocks(trainer.model))
-    batch = synthetic_batch(
-        config,
-        rows,
-        args.patches_per_row,
-        args.tokens_per_row,
-        tuple(args.image_side),
-        tuple(args.caption_tokens),
-        args.missing_image_every,
-        args.seed,
-    ).to(device)
+    batch = batch_from_args(config, args, rows).to(device)
     trainer.step(batch)  # warm-up: optimizer state allocated, as in every later step
     _sync(device)
     if cuda:
@@ -933,16 +929,7 @@ def dry_run(args: argparse.Namespace) -> int:
         model = VisionLanguageModel(config)
     params = sum(p.numel() for p in model.parameters())
     analytic, counted = sum(matmul_params(config).values()), counted_matmul_params(model)
-    batch = synthetic_batch(
-        config,
-        args.rows,
-        args.patches_per_row,
-        args.tokens_per_row,
-        tuple(args.image_side),
-        tuple(args.caption_tokens),
-        args.missing_image_every,
-        args.seed,
-    )
+    batch = batch_from_args(config, args, args.rows)
     geo = BatchGeometry.from_batch(batch)
     print(
         f"preset {args.preset}: {params / 1e6:.1f} M parameters ({params * 16 / 2**30:.1f} GiB of fp32 weights + "
