@@ -8,12 +8,13 @@ from collections.abc import Sequence
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.stages import PatchedSample, collate_one_per_row
 from lightning_mm.testing.launch import free_port, run_distributed
 
-__all__ = ["LossRecorder", "free_port", "random_samples", "run_distributed", "shard_batches"]
+__all__ = ["LossRecorder", "free_port", "full_copy", "random_samples", "run_distributed", "shard_batches"]
 
 
 def random_samples(
@@ -67,3 +68,8 @@ class LossRecorder(L.Callback):
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         self.losses.append(loss.item())
+
+
+def full_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of the whole tensor (a sharded DTensor gathered first), to compare across ranks and runs."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()

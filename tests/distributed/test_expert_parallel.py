@@ -28,7 +28,7 @@ from lightning_mm.models import VLMModule
 from lightning_mm.models.vlm import VisionLanguageModel, build_config
 from lightning_mm.parallel import experts as ep_lib
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, full_copy, random_samples, run_distributed, shard_batches
 
 GLOBAL_BATCH, STEPS, SEED, CLIP = 8, 5, 1234, 0.5
 # name -> (world size, strategy arguments); dp_shard = world size ("auto"), ep borrows its ranks from it.
@@ -81,7 +81,7 @@ class FirstGradients(L.Callback):
             return
         for name, param in pl_module.model.named_parameters():
             if param.grad is not None:
-                self.grads[name] = _logical(pl_module.model, name, _full(param.grad))
+                self.grads[name] = _logical(pl_module.model, name, full_copy(param.grad))
 
 
 def _logical(model: torch.nn.Module, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -90,10 +90,6 @@ def _logical(model: torch.nn.Module, name: str, value: torch.Tensor) -> torch.Te
     owner = model.get_submodule(prefix) if prefix else model
     order = getattr(owner, "expert_order", None)
     return ep_lib.to_logical_order(value, order) if order is not None and leaf in ep_lib.EXPERT_PARAM_NAMES else value
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
 def _fit(rank: int, world: int, kwargs: dict | None) -> dict:
@@ -122,7 +118,7 @@ def _fit(rank: int, world: int, kwargs: dict | None) -> dict:
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     params, layout = {}, {}
     for name, param in module.model.named_parameters():
-        params[name] = _logical(module.model, name, _full(param))
+        params[name] = _logical(module.model, name, full_copy(param))
         layout[name] = (
             type(param).__name__,
             str(param.device_mesh.mesh_dim_names) if isinstance(param, DTensor) else None,

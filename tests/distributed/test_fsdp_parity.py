@@ -18,7 +18,7 @@ from lightning_mm.models.vlm import VisionLanguageModel, build_config
 from lightning_mm.models.vlm.losses import compute_losses
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.parallel.fsdp import SUPPORTED_PRECISIONS, apply_fsdp, mixed_precision_policy, transformer_blocks
-from tests.helpers import random_samples, run_distributed, shard_batches
+from tests.helpers import full_copy, random_samples, run_distributed, shard_batches
 
 GLOBAL_BATCH, STEPS, SEED = 8, 3, 0
 OPTIMIZERS = ("sgd", "adamw")
@@ -41,10 +41,6 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
 def _train(model: nn.Module, optimizer_name: str, batches, group) -> dict:
     """STEPS optimizer steps; returns the global loss of each step, step-0 gradients and final parameters."""
     optimizer = _optimizer(optimizer_name, model)
@@ -54,7 +50,7 @@ def _train(model: nn.Module, optimizer_name: str, batches, group) -> dict:
         loss = compute_losses(model(batch), batch, group=group).total
         loss.backward()
         if step == 0:  # gradients as the optimizer sees them (after FSDP's reduce-scatter / all-reduce)
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+            grads = {n: full_copy(p.grad) for n, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         global_loss = loss.detach().clone()
@@ -62,7 +58,7 @@ def _train(model: nn.Module, optimizer_name: str, batches, group) -> dict:
             dist.all_reduce(global_loss, group=group)
             global_loss /= world
         losses.append(global_loss.item())
-    params = {n: _full(p) for n, p in model.named_parameters()}
+    params = {n: full_copy(p) for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params}
 
 

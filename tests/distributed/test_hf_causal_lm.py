@@ -15,11 +15,10 @@ import functools
 import lightning as L
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from lightning_mm.models.hf import HFCausalLMModule  # needs the [hf] extra (scripts/setup.sh installs it)
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, run_distributed
+from tests.helpers import LossRecorder, full_copy, run_distributed
 from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, token_batches
 
 STEPS, SEED, CLIP, LR = 5, 0, 1.0, 3e-3
@@ -84,10 +83,6 @@ def trainer(devices: int, strategy, precision: str = "32-true", **kwargs) -> L.T
     )
 
 
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
 def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
     config, batches, extra = MODELS[model]
     L.seed_everything(SEED, verbose=False)
@@ -96,7 +91,7 @@ def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
     fit = trainer(world, strategy, precision)
     dp_rank, dp = strategy_dp(rank, world, mesh)
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(dp_rank, dp), batch_size=None))
-    return {"losses": fit.callbacks[0].losses, "params": {n: full(p) for n, p in module.named_parameters()}}
+    return {"losses": fit.callbacks[0].losses, "params": {n: full_copy(p) for n, p in module.named_parameters()}}
 
 
 def strategy_dp(rank: int, world: int, mesh: str) -> tuple[int, int]:
@@ -119,7 +114,7 @@ def reference(model: str) -> dict:
     module = HFCausalLMModule(config=config, learning_rate=LR, **extra)
     fit = trainer(1, "auto")
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(0, 1), batch_size=None))
-    return {"losses": fit.callbacks[0].losses, "params": {n: full(p) for n, p in module.named_parameters()}}
+    return {"losses": fit.callbacks[0].losses, "params": {n: full_copy(p) for n, p in module.named_parameters()}}
 
 
 @pytest.mark.slow

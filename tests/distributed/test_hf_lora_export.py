@@ -31,7 +31,7 @@ from lightning_mm.cli import main as cli_main
 from lightning_mm.models.hf import HFCausalLMModule, export_pretrained
 from lightning_mm.models.hf.export import load_module
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, run_distributed
+from tests.helpers import LossRecorder, full_copy, run_distributed
 from tests.hf_models import LLAMA, token_batches
 
 pytestmark = pytest.mark.slow
@@ -73,12 +73,8 @@ def _trainer(devices: int, strategy, max_steps: int, callbacks=(), root: str | N
     )
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
 def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: _full(param) for name, param in module.named_parameters()}
+    return {name: full_copy(param) for name, param in module.named_parameters()}
 
 
 def _is_adapter(name: str) -> bool:

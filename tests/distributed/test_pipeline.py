@@ -26,13 +26,12 @@ from dataclasses import fields
 import lightning as L
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.models import VLMModule
 from lightning_mm.models.vlm.pipeline import pad_batch
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, full_copy, random_samples, run_distributed, shard_batches
 
 GLOBAL_BATCH, STEPS, SEED, CLIP = 8, 5, 2, 0.5
 OVERRIDES = {"fusion_layers": 3}  # 5 pipeline units (vision, 1 unimodal, 3 fusion) for 4 virtual stages
@@ -99,10 +98,6 @@ def _trainer(devices: int, strategy, accumulate: int, clip, callbacks) -> L.Trai
     )
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
 def _fit(rank: int, world: int, name: str, broken: bool = False) -> dict:
     _, kwargs, microbatches, accumulate, clip = CONFIGS[name]
     L.seed_everything(SEED, verbose=False)
@@ -116,7 +111,7 @@ def _fit(rank: int, world: int, name: str, broken: bool = False) -> dict:
     batches = _batches((rank // tp) % dp, dp, accumulate)  # mesh (pp, dp, tp): rank = (pp * dp + dp_index) * tp + t
     trainer = _trainer(world, strategy, accumulate, clip, [recorder])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    params = {n: _full(p) for n, p in module.model.named_parameters()}
+    params = {n: full_copy(p) for n, p in module.model.named_parameters()}
     return {"losses": recorder.losses, "params": params, "initial": {n: initial[n] for n in params}}
 
 
@@ -141,7 +136,7 @@ def _reference(name: str) -> dict:
     recorder = LossRecorder()
     loader = torch.utils.data.DataLoader(_reference_batches(name, accumulate), batch_size=None)
     _trainer(1, "auto", accumulate, clip, [recorder]).fit(module, train_dataloaders=loader)
-    return {"losses": recorder.losses, "params": {n: _full(p) for n, p in module.model.named_parameters()}}
+    return {"losses": recorder.losses, "params": {n: full_copy(p) for n, p in module.model.named_parameters()}}
 
 
 def _merged_params(results: list[dict], key: str) -> dict[str, torch.Tensor]:

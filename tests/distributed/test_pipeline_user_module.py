@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, run_distributed
+from tests.helpers import LossRecorder, full_copy, run_distributed
 
 GLOBAL_BATCH, STEPS, SEED, CLIP = 8, 5, 0, 0.5
 SPLIT = ["trunk.layers.2"]
@@ -92,10 +91,6 @@ def _trainer(devices: int, strategy) -> L.Trainer:
     )
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
 def _fit(rank: int, world: int) -> dict:
     L.seed_everything(SEED, verbose=False)
     module = Classifier()
@@ -105,7 +100,7 @@ def _fit(rank: int, world: int) -> dict:
     dp = world // 2
     trainer = _trainer(world, strategy)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_data(rank % dp, dp), batch_size=None))
-    return {"losses": trainer.callbacks[0].losses, "params": {n: _full(p) for n, p in module.named_parameters()}}
+    return {"losses": trainer.callbacks[0].losses, "params": {n: full_copy(p) for n, p in module.named_parameters()}}
 
 
 @functools.cache
@@ -119,7 +114,7 @@ def _reference() -> dict:
     module = Classifier()
     trainer = _trainer(1, "auto")
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_data(0, 1), batch_size=None))
-    return {"losses": trainer.callbacks[0].losses, "params": {n: _full(p) for n, p in module.named_parameters()}}
+    return {"losses": trainer.callbacks[0].losses, "params": {n: full_copy(p) for n, p in module.named_parameters()}}
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2_dp2"])

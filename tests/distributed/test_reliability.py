@@ -37,7 +37,7 @@ from lightning_mm.callbacks import BadBatchError, BadBatchGuard, GradientConsist
 from lightning_mm.datamodules.stages import PatchedSample
 from lightning_mm.models import VLMModule
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, full_copy, random_samples, run_distributed, shard_batches
 
 GLOBAL_BATCH, SEED = 8, 1234
 
@@ -85,10 +85,6 @@ def _trainer(strategy, steps: int, callbacks, root: str, clip: float | None = No
 
 def _loader(batches):
     return torch.utils.data.DataLoader(batches, batch_size=None)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
 def _guarded(fn):
@@ -190,7 +186,7 @@ class _StepEffects(L.Callback):
         self.adam_steps: dict[int, tuple[float, float]] = {}
 
     def _snapshot(self, trainer, pl_module):
-        params = [_full(p) for p in pl_module.parameters()]
+        params = [full_copy(p) for p in pl_module.parameters()]
         state = trainer.optimizers[0].state
         steps = [float(s["step"]) for s in state.values() if "step" in s]
         return params, (min(steps, default=0.0), max(steps, default=0.0))
@@ -236,7 +232,7 @@ def _guard_fit(rank: int, world: int, name: str, root: str) -> dict:
         "skipped": guard.skipped,
         "ids": ids,
         "log": skip_log.read_text().splitlines() if skip_log.exists() else None,
-        "params": [_full(p) for p in module.parameters()],
+        "params": [full_copy(p) for p in module.parameters()],
     }
 
 
@@ -293,7 +289,7 @@ class _GradientSummary(L.Callback):
         vision, text, finite = [torch.zeros(())], [torch.zeros(())], True
         experts = pl_module.model.config.vision_experts
         for name, param in pl_module.named_parameters():
-            grad = _full(param.grad)  # every rank calls: full_tensor is a collective
+            grad = full_copy(param.grad)  # every rank calls: full_tensor is a collective
             finite &= bool(torch.isfinite(grad).all())
             if any(key in name for key in VISION_ONLY):
                 vision.append(grad.abs().max())

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from lightning_mm.models import VLMModule
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, full_copy, random_samples, run_distributed, shard_batches
 
 GLOBAL_BATCH, STEPS, SEED, CLIP = 8, 5, 1234, 0.5
 
@@ -43,10 +43,6 @@ CONFIGS: dict[str, tuple[int, dict]] = {
     ),
     "hsdp2x2": (4, {"data_parallel_replicate": 2, "data_parallel_shard": 2}),
 }
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
 def _trainer(world: int, strategy, callbacks) -> L.Trainer:
@@ -81,7 +77,7 @@ def _fit_reference_vlm(rank: int, world: int, kwargs: dict | None) -> dict:
     recorder = LossRecorder()
     trainer = _trainer(world if kwargs is not None else 1, strategy, [recorder])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    params = {name: _full(param) for name, param in module.model.named_parameters()}
+    params = {name: full_copy(param) for name, param in module.model.named_parameters()}
     updates = {name: params[name] - initial[name] for name in params}
     layout = {name: type(param).__name__ for name, param in module.model.named_parameters()}
     return {"losses": recorder.losses, "params": params, "updates": updates, "layout": layout}
@@ -173,7 +169,7 @@ def _fit_user(rank: int, world: int, kwargs: dict | None) -> dict:
     recorder = LossRecorder()
     trainer = _trainer(1 if kwargs is None else world, strategy, [recorder])
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_user_batches(), batch_size=None))
-    params = {name: _full(param) for name, param in module.named_parameters()}
+    params = {name: full_copy(param) for name, param in module.named_parameters()}
     return {
         "losses": recorder.losses,
         "params": params,

@@ -24,7 +24,7 @@ from lightning_mm.models.vlm.losses import compute_losses
 from lightning_mm.models.vlm.parallelize import reference_vlm_plan
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.parallel.plans import apply_tensor_parallel
-from tests.helpers import random_samples, run_distributed
+from tests.helpers import full_copy, random_samples, run_distributed
 
 BATCH, STEPS, LR = 4, 3, 0.1
 SP_STEPS, SP_LR = 5, 1e-3
@@ -35,10 +35,6 @@ AdamW's first step would turn noise into full-size (lr) updates; later its momen
 gradients."""
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
 def _train(model: VisionLanguageModel, batches, optimizer_cls=torch.optim.SGD, lr: float = LR) -> dict:
     optimizer = optimizer_cls(model.parameters(), lr=lr)
     losses, contrastive, first_grads = [], [], {}
@@ -47,11 +43,11 @@ def _train(model: VisionLanguageModel, batches, optimizer_cls=torch.optim.SGD, l
         parts = compute_losses(model(batch), batch, group=None)
         parts.total.backward()
         if step == 0:
-            first_grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+            first_grads = {n: full_copy(p.grad) for n, p in model.named_parameters()}
         optimizer.step()
-        losses.append(_full(parts.total).item())
-        contrastive.append(_full(parts.contrastive).item())
-    params = {n: _full(p) for n, p in model.named_parameters()}
+        losses.append(full_copy(parts.total).item())
+        contrastive.append(full_copy(parts.contrastive).item())
+    params = {n: full_copy(p) for n, p in model.named_parameters()}
     return {"losses": losses, "contrastive": contrastive, "grads": first_grads, "params": params}
 
 
