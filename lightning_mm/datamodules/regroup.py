@@ -9,8 +9,9 @@ tower pays for patches and the decoder for tokens:
   padded size fits the budgets (variable batch size); collate with
   :func:`~lightning_mm.datamodules.stages.collate_one_per_row` (no separate bucket collate is needed:
   a bucket batch is an ordinary one-sample-per-row batch).
-* :func:`pack_rows` + :func:`collate_packed`: several samples per row (first-fit decreasing), a fixed
-  number of rows per batch and constant tensor shapes; the model keeps samples apart through the
+* :func:`pack_rows` + :func:`collate_packed`: several samples per row (rows filled in the proportion of
+  the two budgets the pool needs, the least filled rows carried into the next buffer), a fixed number of
+  rows per batch and constant tensor shapes; the model keeps samples apart through the
   segment ids of :class:`~lightning_mm.batch.MultimodalBatch`.
 
 Both are webdataset-style stages: ``stage(samples, ...)`` takes an iterator of
@@ -24,11 +25,13 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import math
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from lightning_mm.batch import IGNORE_INDEX, PAD_SEGMENT, MultimodalBatch
@@ -598,28 +601,34 @@ def pack_rows(
     rng: random.Random,
     partial: bool = False,
     stats: RegroupStats | None = None,
-    fit: Literal["balanced", "first"] = "balanced",
+    fit: Literal["proportional", "balanced", "first"] = "proportional",
 ) -> Iterator[list[list[PatchedSample]]]:
-    """Pack samples into rows (first-fit decreasing) and rows into batches of ``rows_per_batch``.
+    """Pack samples into rows under both per-row budgets, and rows into batches of ``rows_per_batch``.
 
     Each buffer of ``buffer_size`` new samples, plus the samples carried over from the previous
     buffer, is packed into rows under both per-row budgets (``<= max_patches_per_row`` patches and
-    ``<= max_tokens_per_row`` tokens), largest :func:`sample_cost` first:
+    ``<= max_tokens_per_row`` tokens):
 
-    * ``fit="first"``: NaViT's first-fit decreasing; each sample goes into the first open row where
-      both its patches and its tokens fit, else into a new row.
-    * ``fit="balanced"`` (default): rows are filled one at a time, each with the largest sample that
-      still fits, taken from the samples that lean on the budget with more room left in the row. When
-      only one budget binds it packs as tightly as first-fit decreasing; when both bind, plain first
-      fit fills one budget of a row while the other still has room no sample can use, and leaves
-      13-18 % padding on COYO-like lengths where this stays within ~2 points of the lower bound
-      (``benchmarks/regroup.py``). It costs up to about twice the time of ``"first"``.
+    * ``fit="first"``: NaViT's first-fit decreasing (largest :func:`sample_cost` first); each sample
+      goes into the first open row where both its patches and its tokens fit, else into a new row.
+    * ``fit="balanced"``: rows are filled one at a time, each with the largest sample that still fits,
+      taken from the samples that lean on the budget with more room left in the row.
+    * ``fit="proportional"`` (default): rows are filled one at a time; a row opens with the largest
+      sample left, then takes the fitting sample that is large *and* leaves the row's two remaining
+      rooms in the proportion the pool still needs them (:func:`_proportional_fit`). When both budgets
+      bind, the greedy fits fill one budget of most rows while the other keeps room no sample can use,
+      and end the pool with rows that are half empty (``balanced``: 1.8 % padding on COYO-like lengths
+      at buffer 4000, ``first``: 18 %); this one stays within a few tenths of a point of the lower
+      bound (``benchmarks/regroup.py``).
 
-    The rows are shuffled with ``rng`` (so batches mix large and small samples, no sawtooth) and
-    yielded ``rows_per_batch`` at a time; the rows left over go back into the pool of the next buffer
-    instead of being yielded as a short batch, so every batch has the same shape. At the end of the
-    stream the last, short batch is yielded only when ``partial`` is True; otherwise its samples are
-    counted in ``stats.samples_dropped``.
+    The rows are shuffled with ``rng`` (so batches mix large and small samples, no sawtooth) and yielded
+    ``rows_per_batch`` at a time. The least filled rows go back into the pool of the next buffer instead
+    of being yielded: the ``len(rows) % rows_per_batch`` rows that would not make a full batch, and more
+    whole batches' worth of rows under 99 % full while the samples carried stay within half a buffer
+    (rows left under-filled are the end of a pool, which the next buffer's samples complete). At the end
+    of the stream every row is yielded except the ``len(rows) % rows_per_batch`` holding the fewest
+    samples: they make the last, short batch, yielded only when ``partial`` is True; otherwise its samples
+    are counted in ``stats.samples_dropped``.
 
     Yields:
         Batches: lists of exactly ``rows_per_batch`` rows (only the very last may have fewer, and only
@@ -637,14 +646,25 @@ def pack_rows(
     if fit not in _FITS:
         raise ValueError(f"fit must be one of {sorted(_FITS)}, got {fit!r}")
     budgets = {"max_patches_per_row": max_patches_per_row, "max_tokens_per_row": max_tokens_per_row}
-    packer = functools.partial(_pack_buffer, fill=_FITS[fit], budgets=budgets, rows_per_batch=rows_per_batch, rng=rng)
+    packer = functools.partial(
+        _pack_buffer,
+        fill=_FITS[fit],
+        budgets=budgets,
+        rows_per_batch=rows_per_batch,
+        rng=rng,
+        carry_limit=buffer_size // 2,
+    )
     return _pack_rows(samples, budgets, packer, buffer_size, partial, stats if stats is not None else RegroupStats())
+
+
+_Packer = Callable[[list[_Entry], bool], tuple[list[list[list[PatchedSample]]], list[list[_Entry]]]]
+"""``packer(pool, last)`` -> (full batches, rows left over); ``last``: the end of the stream."""
 
 
 def _pack_rows(
     samples: Iterator[PatchedSample],
     budgets: dict[str, int],
-    packer: Callable[[list[_Entry]], tuple[list[list[list[PatchedSample]]], list[list[_Entry]]]],
+    packer: _Packer,
     buffer_size: int,
     partial: bool,
     stats: RegroupStats,
@@ -658,7 +678,7 @@ def _pack_rows(
         # Only fresh samples count towards the buffer: each buffer then reads at least one new
         # sample, however many rows were carried over, so the stream always advances.
         if len(fresh) >= buffer_size:
-            batches, leftover = packer(carried + fresh)
+            batches, leftover = packer(carried + fresh, False)
             # Leftover rows are unpacked: their samples re-enter the packing with the next buffer,
             # which often fills the gaps that made these rows the odd ones out.
             carried = [entry for row in leftover for entry in row]
@@ -666,7 +686,7 @@ def _pack_rows(
             fresh = []
             yield from batches
     if carried or fresh:
-        batches, leftover = packer(carried + fresh)
+        batches, leftover = packer(carried + fresh, True)
         yield from batches
         if leftover and partial:
             yield [[entry[0] for entry in row] for row in leftover]
@@ -724,25 +744,135 @@ def _balanced_fit(pool: list[_Entry], patch_budget: int, token_budget: int) -> l
     return rows
 
 
-_FITS = {"balanced": _balanced_fit, "first": _first_fit}
+_STEER = 1.0
+"""Weight of the proportion term against the sample's size in :func:`_proportional_fit` (both are shares of a row).
+10k COYO-like lengths (``benchmarks/regroup.py``) packed in one pool, without windows: 0.5 and 2 leave 0.7-2.5 %
+padding, 1 leaves 0.1-0.5 % (527-529 rows for a lower bound of 526.4)."""
+
+
+def _proportional_fit(pool: list[_Entry], patch_budget: int, token_budget: int) -> list[list[_Entry]]:
+    """Row by row: open with the largest sample left, then add the fitting sample with the best score
+    ``size - _STEER * |skew - wanted skew|``.
+
+    The pool needs ``rows_p = sum(patches) / patch_budget`` rows for its patches and ``rows_t`` for its tokens; the
+    larger binds, and the other budget can only be filled to ``rows_t / rows_p`` of each row on average. So each
+    row aims at *effective* budgets ``E_p = patch_budget * rows_p / max(rows_p, rows_t)`` (``E_t`` alike): a
+    sample's ``skew = p / E_p - t / E_t`` says which effective budget it leans on, and the wanted skew is the
+    difference between the shares of ``E_p`` and ``E_t`` the row has left, so that after the sample the row has
+    equal shares of both left: rows then use the two budgets in the pool's proportion, and the pool does not end
+    with the samples that lean on one budget only (rows full in that budget and half empty in the other, the tail
+    of the greedy fits). ``size`` is :func:`sample_cost`: large samples first, small ones left to close rows.
+
+    Each pick scores a window of the largest samples that still fit the row (``_WINDOW_SHARE`` of the pool, at
+    least ``_WINDOW_MIN``): small samples are kept to close rows, and a pick costs a window, not the pool (scoring
+    the whole pool is O(pool) per pick and packs no tighter on COYO-like lengths; much narrower windows see only
+    large samples and leave the small ones to a tail of badly filled rows). Vectorised with numpy: elementwise
+    float64 arithmetic on exact integers and ``argmax`` with ties to the larger sample, then the earlier one, so
+    the same rows on every machine.
+    """
+    count = len(pool)
+    if not count:
+        return []
+    # (exact integer totals: the effective budgets must not depend on a summation order)
+    rows_p = sum(e[1] for e in pool) / patch_budget
+    rows_t = sum(e[2] for e in pool) / token_budget
+    most = max(rows_p, rows_t) or 1.0
+    effective_p = max(1.0, patch_budget * rows_p / most)
+    effective_t = max(1.0, token_budget * rows_t / most)
+    patches = np.fromiter((e[1] for e in pool), dtype=np.float64, count=count)
+    tokens = np.fromiter((e[2] for e in pool), dtype=np.float64, count=count)
+    size = np.maximum(patches / patch_budget, tokens / token_budget)
+    skew = patches / effective_p - tokens / effective_t
+    order = np.argsort(-size, kind="stable")
+    # One row per sample left, largest first: patches, tokens, size, skew, index into `pool`.
+    left = np.stack([patches, tokens, size, skew, np.arange(count, dtype=np.float64)], axis=1)[order]
+    rows: list[list[_Entry]] = []
+    width = max(_WINDOW_MIN, math.ceil(count * _WINDOW_SHARE))
+    while len(left):
+        first = int(left[0, 4])  # a row opens with the largest sample left
+        row = [first]
+        left[0, 0] = np.inf  # (taken: fits nothing)
+        patches_left, tokens_left = patch_budget - pool[first][1], token_budget - pool[first][2]
+        start = 1  # samples before `start` fit this row no more (or are taken)
+        while start < len(left):
+            window = left[start : start + width]
+            fit = (window[:, 0] <= patches_left) & (window[:, 1] <= tokens_left)
+            if not fit.any():
+                start += len(window)
+                continue
+            wanted = (patches_left - patch_budget + effective_p) / effective_p - (
+                tokens_left - token_budget + effective_t
+            ) / effective_t
+            score = np.where(fit, window[:, 2] - _STEER * np.abs(window[:, 3] - wanted), -np.inf)
+            at = int(np.argmax(score))
+            index = int(window[at, 4])
+            row.append(index)
+            window[at, 0] = np.inf
+            patches_left -= pool[index][1]
+            tokens_left -= pool[index][2]
+            start += int(np.argmax(fit))
+        rows.append([pool[i] for i in row])
+        left = left[left[:, 0] != np.inf]
+    return rows
+
+
+_WINDOW_SHARE = 1 / 8
+"""Share of the pool :func:`_proportional_fit` scores for a pick (COYO-like lengths, buffer 4000: 1/4 and 1/8 pack
+alike, 1/12 leaves 2-3x more padding, a fixed 128 or 256 samples 3-8 %)."""
+_WINDOW_MIN = 128
+
+
+_FITS = {"proportional": _proportional_fit, "balanced": _balanced_fit, "first": _first_fit}
+
+_CARRY_BELOW = 0.99
+"""Rows filled below this share of their slots (patches and tokens together) are carried into the next buffer,
+a whole batch of them at a time, while the carried samples stay within half a buffer."""
+
+
+def _fill(row: list[_Entry]) -> int:
+    """Real slots of a row (patches + tokens)."""
+    return sum(entry[1] + entry[2] for entry in row)
 
 
 def _pack_buffer(
     pool: list[_Entry],
+    last: bool,
     fill: Callable[[list[_Entry], int, int], list[list[_Entry]]],
     budgets: dict[str, int],
     rows_per_batch: int,
     rng: random.Random,
+    carry_limit: int,
 ) -> tuple[list[list[list[PatchedSample]]], list[list[_Entry]]]:
-    """Pack ``pool`` into rows with ``fill``; return the full batches and the rows left over (with sizes)."""
+    """Pack ``pool`` into rows with ``fill``; return the full batches and the rows left over (with sizes).
+
+    Left over: the least filled rows (carried into the next buffer, see :func:`pack_rows`), or at the end of the
+    stream (``last``) the ``len(rows) % rows_per_batch`` rows with the fewest samples (the fewest dropped).
+    """
     rows = fill(pool, *budgets.values())
-    rng.shuffle(rows)
-    full = len(rows) // rows_per_batch * rows_per_batch
+    extra = len(rows) % rows_per_batch
+    if last:
+        # (stable sorts on integer keys: the same choice on every rank)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    else:
+        order = sorted(range(len(rows)), key=lambda i: _fill(rows[i]))
+        slots = sum(budgets.values())
+        carried = sum(len(rows[i]) for i in order[:extra])
+        while extra + rows_per_batch <= len(order):
+            group = order[extra : extra + rows_per_batch]
+            more = sum(len(rows[i]) for i in group)
+            if _fill(rows[group[0]]) >= _CARRY_BELOW * slots or carried + more > carry_limit:
+                break
+            extra += rows_per_batch
+            carried += more
+    leftover = set(order[:extra])
+    # Rows in the order `fill` made them (then shuffled): the choice above must not bias the batch order.
+    kept = [row for i, row in enumerate(rows) if i not in leftover]
+    rng.shuffle(kept)
     batches = [
-        [[entry[0] for entry in row] for row in rows[start : start + rows_per_batch]]
-        for start in range(0, full, rows_per_batch)
+        [[entry[0] for entry in row] for row in kept[start : start + rows_per_batch]]
+        for start in range(0, len(kept), rows_per_batch)
     ]
-    return batches, rows[full:]
+    return batches, [rows[i] for i in sorted(leftover)]
 
 
 # ------------------------------------------------------------------------------------------- collation
