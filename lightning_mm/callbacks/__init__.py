@@ -7,6 +7,7 @@ from lightning_mm.callbacks.padding_stats import PaddingStats
 from lightning_mm.callbacks.pipeline_timeline import PipelineTimeline
 from lightning_mm.callbacks.preemption import Preempted, PreemptionCheckpoint
 from lightning_mm.callbacks.rank_watchdog import RankWatchdog
+from lightning_mm.callbacks.replica_sync import ReplicaSync
 from lightning_mm.callbacks.throughput import MultimodalThroughput
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "Preempted",
     "PreemptionCheckpoint",
     "RankWatchdog",
+    "ReplicaSync",
 ]

@@ -46,7 +46,7 @@ from typing_extensions import override
 
 import lightning_mm
 from lightning_mm import checkpoint as ckpt
-from lightning_mm.parallel.dims import DP_SHARD_MOD_EP, ParallelDims
+from lightning_mm.parallel.dims import DP_SHARD_MOD_EP, MeshAxis, ParallelDims
 from lightning_mm.parallel.experts import PLACEMENTS, expert_parameters
 from lightning_mm.parallel.fsdp import (
     apply_activation_checkpointing,
@@ -156,6 +156,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         allow_cross_node_groups: with ``num_nodes > 1`` a mesh whose tensor- or expert-parallel groups would span
             nodes is refused (their collectives run in every layer; the mesh keeps tp, then ep, innermost, and
             ranks are numbered node by node); ``True`` runs it anyway, with a warning.
+        sync_replicas_every_step: ``True`` (HSDP): gradients are averaged over every data-parallel rank each step.
+            ``False``: only inside a replica group (FSDP2 over ``dp_shard``; no data-parallel wrapper when
+            ``data_parallel_shard=1``), so replica groups drift apart until something synchronises them every H
+            steps: :class:`~lightning_mm.callbacks.ReplicaSync` (which sets this to ``False`` itself).
         process_group_backend, timeout: as in Lightning's ``ModelParallelStrategy``.
     """
 
@@ -181,6 +185,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
         allow_cross_node_groups: bool = False,
+        sync_replicas_every_step: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -268,6 +273,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.allow_cross_node_groups = allow_cross_node_groups
+        self.sync_replicas_every_step = sync_replicas_every_step
         self._dims: ParallelDims | None = None
 
     # ---------------------------------------------------------------------------------------------- mesh
@@ -283,8 +289,22 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
-        """Ranks whose samples differ (the flattened dp_replicate x dp_shard axes); None with one batch shard."""
-        return self._dims.data_parallel_group() if self._dims is not None else None
+        """Ranks whose samples differ and whose gradients are averaged every step (losses normalise over it): the
+        flattened dp_replicate x dp_shard axes, or with ``sync_replicas_every_step=False`` the replica group's own
+        dp_shard ranks (replicas train independently between syncs); None with one such rank."""
+        if self._dims is None:
+            return None
+        if not self.sync_replicas_every_step and self._dims.dp_replicate_enabled:
+            return self._dims.get_mesh(MeshAxis.DP_SHARD.value).get_group() if self._dims.dp_shard > 1 else None
+        return self._dims.data_parallel_group()
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding the same parameter shards in different replica groups (the dp_replicate axis); None when
+        there is one replica group."""
+        if self._dims is None or not self._dims.dp_replicate_enabled:
+            return None
+        return self._dims.get_mesh(MeshAxis.DP_REPLICATE.value).get_group()
 
     @property
     def data_parallel_rank(self) -> int:
@@ -439,10 +459,21 @@ class HybridParallelStrategy(ModelParallelStrategy):
         blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
         if self.activation_checkpointing:
             apply_activation_checkpointing(blocks)
-        if dims.dp_enabled:
+        if self._fsdp_mesh() is not None:
             self._apply_fsdp(module, blocks, mp_policy)
         _PARALLELIZED[module] = None
         return module
+
+    def _fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards and averages gradients over: HSDP ``(dp_replicate, dp_shard)``, or ``dp_shard`` alone
+        when replicas are synchronised otherwise (``sync_replicas_every_step=False``); None: no data parallelism
+        to wrap."""
+        dims = self.parallel_dims
+        if not dims.dp_enabled:
+            return None
+        if self.sync_replicas_every_step:
+            return dims.get_mesh(dims.fsdp_axes)
+        return dims.get_mesh(MeshAxis.DP_SHARD.value) if dims.dp_shard > 1 else None
 
     def _require_tp_plan(self, module: nn.Module, plan: ParallelPlan) -> Any:
         if plan.tp_plan is None:
@@ -464,7 +495,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "are registered on the LightningModule itself; move them into a submodule (e.g. self.net = ...) "
                 "or override configure_model"
             )
-        mesh = self.parallel_dims.get_mesh(self.parallel_dims.fsdp_axes)
+        mesh = self._fsdp_mesh()
         experts = set(expert_parameters(module)) if self.parallel_dims.ep_enabled else set()
         for child in module.children():
             if not any(True for _ in child.parameters()):
@@ -591,10 +622,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
             stage_blocks = [b for b in blocks if id(b) in inside and b is not stage_module]
             if self.activation_checkpointing:
                 apply_activation_checkpointing(stage_blocks)
-            if dims.dp_enabled:
+            if self._fsdp_mesh() is not None:
                 apply_fsdp(
                     stage_module,
-                    dims.get_mesh(dims.fsdp_axes),
+                    self._fsdp_mesh(),
                     mp_policy=mp_policy,
                     reshard_after_forward=False,
                     cpu_offload=self.cpu_offload,

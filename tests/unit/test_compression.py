@@ -17,6 +17,8 @@ from lightning_mm.parallel.compression import (
     Encoded,
     ErrorFeedback,
     Mode,
+    block_rotation,
+    code_count,
     decode,
     dequantize_blocks,
     encode,
@@ -319,3 +321,77 @@ def test_top_k_with_an_adaptive_optimizer_warns(optimizer, topk_ratio, warns, re
     assert bool(messages) == warns, messages
     if warns:
         assert optimizer.__name__ in messages[0] and "topk_ratio=1.0" in messages[0]
+
+
+# ------------------------------------------------------------------------------------ Hadamard rotation (T1)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 64, 128])
+def test_block_rotation_is_orthogonal_fixed_and_not_a_plain_hadamard(block_size):
+    rotation = block_rotation(block_size)
+    assert rotation.shape == (block_size, block_size)
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(block_size), atol=1e-6, rtol=0)
+    assert torch.equal(rotation, block_rotation(block_size))  # the same on every call (and every rank)
+    assert torch.allclose(rotation.abs(), torch.full_like(rotation, block_size**-0.5))
+    if block_size >= 64:  # random signs: the first column is not all positive, as in Sylvester's matrix
+        assert (rotation[:, 0] < 0).any() and (rotation[:, 0] > 0).any()
+    with pytest.raises(ValueError, match="power of two"):
+        block_rotation(block_size * 3 if block_size > 1 else 3)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rotated_quantization_error_is_half_a_scale_in_the_rotated_basis(bits):
+    numel, block = 1000, 64  # the last block is short: zero-padded, sent whole
+    x = _varied(numel, seed=3)
+    codes, scales = quantize_blocks(x, bits, block, rotate=True)
+    sent = code_count(numel, block, True)
+    assert sent == 1024
+    assert codes.shape == ((sent // 2,) if bits == 4 else (sent,))
+    decoded = dequantize_blocks(codes, scales, numel, bits, block, rotate=True)
+    padded = torch.nn.functional.pad(x, (0, sent - numel)).view(-1, block)
+    rotated_error = (padded - torch.nn.functional.pad(decoded, (0, sent - numel)).view(-1, block)) @ block_rotation(
+        block
+    )
+    # The rotation is orthogonal: the error, rotated, is the per-coordinate rounding error (<= scale / 2) ...
+    assert (rotated_error.abs() <= scales[:, None] / 2 * (1 + 1e-5) + 1e-9).all()
+    # ... and the L2 error equals the rotated one.
+    torch.testing.assert_close((x - decoded).norm(), rotated_error.norm(), rtol=1e-4, atol=1e-9)
+
+
+def test_rotation_halves_the_4_bit_error_of_heavy_tailed_values():
+    generator = torch.Generator().manual_seed(0)
+    heavy = torch.distributions.StudentT(3.0).sample((1 << 15,))  # the tails of real gradient blocks, exaggerated
+    spiky = torch.randn(1 << 15, generator=generator)
+    spiky[::128] = 10.0  # one outlier per block: every other element's scale is 10x too coarse
+    gaussian = torch.randn(1 << 15, generator=generator)
+
+    def error(x: torch.Tensor, rotation: bool) -> float:
+        return float((decode(encode(x, CodecConfig(bits=4, rotation=rotation))) - x).norm() / x.norm())
+
+    for x in (heavy, spiky):
+        assert error(x, True) < 0.6 * error(x, False)
+    # Gaussian blocks have no outliers to spread: the same error either way (rotation only costs time there).
+    assert abs(error(gaussian, True) - error(gaussian, False)) < 0.01
+
+
+@pytest.mark.parametrize("topk_ratio", [1.0, 0.05])
+def test_rotated_payloads_round_trip_through_the_wire_format(topk_ratio):
+    x = _varied(5000, seed=4)
+    config = CodecConfig(bits=4, block_size=128, topk_ratio=topk_ratio, rotation=True, scale_dtype="bfloat16")
+    encoded = encode(x, config)
+    assert encoded.rotated and encoded.mode == (Mode.DENSE if topk_ratio == 1.0 else Mode.SPARSE)
+    wire = encoded.to_bytes()
+    assert wire.numel() == encoded.nbytes
+    parsed = Encoded.from_bytes(wire)
+    assert parsed.rotated and parsed.count == encoded.count
+    assert torch.equal(decode(parsed), decode(encoded))
+    # The header tells the decoder: without the flag the same codes decode to something else.
+    unrotated = Encoded(**{**parsed.__dict__, "rotated": False})
+    assert not torch.equal(decode(unrotated), decode(parsed))
+
+
+def test_rotation_needs_a_power_of_two_block():
+    with pytest.raises(ValueError, match="power of two"):
+        CodecConfig(bits=4, block_size=100, rotation=True)
+    with pytest.raises(ValueError, match="power of two"):
+        CompressedAllToAll(bits=4, block_size=96, rotation=True)

@@ -3,7 +3,11 @@
 :func:`quantize_blocks` / :func:`dequantize_blocks`
     symmetric integer quantization with one scale per block of ``block_size`` consecutive elements:
     ``scale = max|x_block| / qmax`` (rounded *up* when stored as bf16, so no element is clipped),
-    ``q = round(x / scale)``; hence ``|x - q * scale| <= scale / 2`` for every element.
+    ``q = round(x / scale)``; hence ``|x - q * scale| <= scale / 2`` for every element. With ``rotate=True``
+    each block is first multiplied by a fixed randomized Hadamard matrix (:func:`block_rotation`, orthogonal),
+    which spreads an outlier's magnitude over the whole block before the scale is taken (SDP4Bit, QuaRot); the
+    decoder applies the transpose, so the error bound holds in the rotated basis and the L2 error is unchanged by
+    the rotation back.
 :func:`topk_indices`
     the ``k`` entries of largest magnitude, as ascending indices.
 :func:`encode` / :func:`decode`
@@ -18,10 +22,11 @@
 Wire format of one payload (``Encoded.to_bytes``; every section padded to a multiple of 8 bytes, so the next one
 can be viewed in place, and so payloads concatenated in a receive buffer stay aligned)::
 
-    header   int32[4]  mode | bits << 8 | dtype_code << 16,  numel,  count,  block_size
+    header   int32[4]  mode | bits << 8 | dtype_code << 16 | rotated << 24,  numel,  count,  block_size
     scales   (ceil(count / block_size),) float32 or bfloat16          dense and sparse
     indices  (count,) uint8 / int16 / int32 (smallest that fits numel) sparse only
-    values   (count,) int8, or (ceil(count / 2),) uint8 (two 4-bit codes per byte); raw: (numel,) in its dtype
+    values   (codes,) int8, or (ceil(codes / 2),) uint8 (two 4-bit codes per byte); raw: (numel,) in its dtype;
+             codes = count, or ceil(count / block_size) * block_size when rotated (a rotated block is full)
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ __all__ = [
     "Encoded",
     "ErrorFeedback",
     "Mode",
+    "block_rotation",
+    "code_count",
     "decode",
     "dequantize_blocks",
     "encode",
@@ -83,6 +90,9 @@ class CodecConfig:
         topk_ratio: fraction of elements kept, in ``(0, 1]``; ``1.0`` means dense quantization (no indices).
         scale_dtype: ``"float32"`` or ``"bfloat16"`` scales.
         min_numel: tensors (segments) with fewer elements are sent raw: the header and codec time would not pay.
+        rotation: multiply each block by a randomized Hadamard matrix before quantizing (``block_size`` must then
+            be a power of two). Spreads outliers, so 4-bit codes keep small values (measured in
+            ``benchmarks/compression_convergence.py``); costs one ``block_size``-wide matmul per block each way.
     """
 
     bits: int = 8
@@ -90,6 +100,7 @@ class CodecConfig:
     topk_ratio: float = 1.0
     scale_dtype: str = "float32"
     min_numel: int = 0
+    rotation: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -102,6 +113,12 @@ class CodecConfig:
             raise ValueError(f"scale_dtype must be one of {sorted(_SCALE_DTYPES)}, got {self.scale_dtype!r}")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        if not isinstance(self.rotation, bool):
+            raise ValueError(f"rotation must be a bool, got {self.rotation!r}")
+        if self.rotation and self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"rotation=True needs block_size to be a power of two (a Hadamard matrix's size), got {self.block_size}"
+            )
 
     @property
     def qmax(self) -> int:
@@ -147,21 +164,58 @@ def _unpack_nibbles(packed: torch.Tensor, count: int) -> torch.Tensor:
     return (pairs.to(torch.int16) - 8).to(torch.int8)
 
 
+_ROTATION_SEED = 0x5EED  # every rank must draw the same signs: a fixed seed, not the global generator
+_ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def block_rotation(block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The ``(block_size, block_size)`` orthogonal matrix ``M = diag(s) H / sqrt(block_size)`` rotating each block.
+
+    ``H`` is the Sylvester Hadamard matrix and ``s`` random signs from a fixed seed (the same on every rank and in
+    every run, so encoder and decoder agree without sending anything). Row vectors rotate as ``y = x @ M`` and
+    back as ``x = y @ M.T``. The random signs keep a structured gradient (a constant block, one spike) from being
+    aligned with a Hadamard row, which would concentrate it again instead of spreading it.
+    """
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two for a Hadamard rotation, got {block_size}")
+    key = (block_size, torch.device(device))
+    if key not in _ROTATIONS:
+        hadamard = torch.ones(1, 1, dtype=torch.float64)
+        while hadamard.shape[0] < block_size:
+            hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
+        generator = torch.Generator().manual_seed(_ROTATION_SEED + block_size)
+        signs = torch.randint(0, 2, (block_size,), generator=generator).double() * 2 - 1
+        rotation = signs[:, None] * hadamard / math.sqrt(block_size)
+        _ROTATIONS[key] = rotation.float().to(device)
+    return _ROTATIONS[key]
+
+
+def code_count(count: int, block_size: int, rotated: bool) -> int:
+    """Codes sent for ``count`` quantized elements: a rotated last block is full (rotation mixes the padding in)."""
+    return -(-count // block_size) * block_size if rotated else count
+
+
 def quantize_blocks(
-    x: torch.Tensor, bits: int = 8, block_size: int = 128, scale_dtype: torch.dtype = torch.float32
+    x: torch.Tensor,
+    bits: int = 8,
+    block_size: int = 128,
+    scale_dtype: torch.dtype = torch.float32,
+    rotate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-block quantization of a finite tensor.
 
     Args:
         x: ``(n,)`` (any shape is flattened) finite floating tensor.
         bits: 8 or 4.
-        block_size: elements per scale; the last block may be shorter.
+        block_size: elements per scale; the last block may be shorter (zero-padded when ``rotate``).
         scale_dtype: ``torch.float32`` or ``torch.bfloat16``.
+        rotate: quantize ``block @ block_rotation(block_size)`` instead of each block (``block_size`` a power of 2).
 
     Returns:
-        ``codes``: ``(n,)`` int8 in ``[-qmax, qmax]`` for 8 bits, ``(ceil(n / 2),)`` uint8 (packed) for 4 bits;
-        ``scales``: ``(ceil(n / block_size),)`` in ``scale_dtype``, ``>= max|x_block| / qmax`` (0 for all-zero
-        blocks). Every element satisfies ``|x - code * scale| <= scale / 2`` (up to fp32 rounding of the product).
+        ``codes``: ``(m,)`` int8 in ``[-qmax, qmax]`` for 8 bits, ``(ceil(m / 2),)`` uint8 (packed) for 4 bits,
+        ``m = code_count(n, block_size, rotate)``; ``scales``: ``(ceil(n / block_size),)`` in ``scale_dtype``,
+        ``>= max|block| / qmax`` (0 for all-zero blocks). Every coordinate (rotated ones when ``rotate``) satisfies
+        ``|v - code * scale| <= scale / 2`` (up to fp32 rounding of the product).
     """
     flat = x.reshape(-1).float()
     numel = flat.numel()
@@ -173,26 +227,34 @@ def quantize_blocks(
         padded = flat.new_zeros(blocks_count * block_size)
         padded[:numel] = flat
     blocks = padded.view(blocks_count, block_size)  # (nb, block)
+    if rotate:
+        blocks = blocks @ block_rotation(block_size, blocks.device)
     scales = _round_scale_up(blocks.abs().amax(dim=1) / qmax, scale_dtype)  # (nb,)
     divisor = scales.float()
     # An all-zero block has scale 0; dividing by 1 keeps its codes 0 without a 0/0 NaN.
     divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
-    codes = (blocks / divisor[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:numel]
+    codes = (blocks / divisor[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8).reshape(-1)
+    codes = codes[: code_count(numel, block_size, rotate)]
     if bits == 4:
         codes = _pack_nibbles(codes)
     return codes, scales
 
 
 def dequantize_blocks(
-    codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int = 8, block_size: int = 128
+    codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int = 8, block_size: int = 128, rotate: bool = False
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_blocks`: ``codes``, ``scales (nb,)`` -> ``(numel,)`` float32."""
+    """Inverse of :func:`quantize_blocks` (same ``bits``, ``block_size``, ``rotate``): ``codes``, ``scales (nb,)``
+    -> ``(numel,)`` float32."""
+    sent = code_count(numel, block_size, rotate)
     if bits == 4:
-        codes = _unpack_nibbles(codes, numel)
+        codes = _unpack_nibbles(codes, sent)
     blocks_count = scales.numel()
     padded = torch.zeros(blocks_count * block_size, dtype=torch.float32, device=codes.device)
-    padded[:numel] = codes.float()
-    return (padded.view(blocks_count, block_size) * scales.float()[:, None]).reshape(-1)[:numel]
+    padded[:sent] = codes.float()
+    blocks = padded.view(blocks_count, block_size) * scales.float()[:, None]
+    if rotate:
+        blocks = blocks @ block_rotation(block_size, blocks.device).T
+    return blocks.reshape(-1)[:numel]
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -226,6 +288,7 @@ class Encoded:
         indices: ``(count,)`` ascending indices of the kept elements (sparse), dtype from :func:`index_dtype_for`.
         bits: code width (dense / sparse).
         block_size: elements per scale (dense / sparse).
+        rotated: the blocks were rotated by :func:`block_rotation` before quantization (dense / sparse).
         reason: why a raw payload is raw (``"nonfinite"`` / ``"small"``); not sent.
     """
 
@@ -236,6 +299,7 @@ class Encoded:
     indices: torch.Tensor | None = None
     bits: int = 8
     block_size: int = 0
+    rotated: bool = False
     reason: str | None = None
 
     @property
@@ -260,7 +324,12 @@ class Encoded:
         out = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         dtype_code = _DTYPE_CODES[self.values.dtype if self.mode == Mode.RAW else self.scales.dtype]
         header = torch.tensor(
-            [int(self.mode) | self.bits << 8 | dtype_code << 16, self.numel, self.count, self.block_size],
+            [
+                int(self.mode) | self.bits << 8 | dtype_code << 16 | int(self.rotated) << 24,
+                self.numel,
+                self.count,
+                self.block_size,
+            ],
             dtype=torch.int32,
         )
         out[:_HEADER_BYTES] = header.view(torch.uint8).to(device)
@@ -283,6 +352,7 @@ class Encoded:
             raise ValueError(f"no payload header at byte {offset} of a {buffer.numel()}-byte {buffer.dtype} buffer")
         word, numel, count, block_size = buffer[offset : offset + _HEADER_BYTES].view(torch.int32).tolist()
         mode, bits, dtype = Mode(word & 0xFF), (word >> 8) & 0xFF, _CODE_DTYPES[(word >> 16) & 0xFF]
+        rotated = bool((word >> 24) & 1)
         offset += _HEADER_BYTES
 
         def take(n: int, section_dtype: torch.dtype) -> torch.Tensor:
@@ -296,8 +366,11 @@ class Encoded:
             return Encoded(Mode.RAW, numel, take(numel, dtype)), offset
         scales = take(-(-count // block_size), dtype)
         indices = take(count, index_dtype_for(numel)) if mode == Mode.SPARSE else None
-        values = take(-(-count // 2), torch.uint8) if bits == 4 else take(count, torch.int8)
-        encoded = Encoded(mode, numel, values, scales=scales, indices=indices, bits=bits, block_size=block_size)
+        codes = code_count(count, block_size, rotated)
+        values = take(-(-codes // 2), torch.uint8) if bits == 4 else take(codes, torch.int8)
+        encoded = Encoded(
+            mode, numel, values, scales=scales, indices=indices, bits=bits, block_size=block_size, rotated=rotated
+        )
         return encoded, offset
 
 
@@ -312,7 +385,8 @@ def _parse_blob(blob: torch.Tensor, count: int) -> list[Encoded]:
 
 def _dense_bytes(count: int, config: CodecConfig) -> int:
     scale_size = config.scale_torch_dtype.itemsize
-    code_bytes = -(-count // 2) if config.bits == 4 else count
+    codes = code_count(count, config.block_size, config.rotation)
+    code_bytes = -(-codes // 2) if config.bits == 4 else codes
     return _aligned(-(-count // config.block_size) * scale_size) + _aligned(code_bytes)
 
 
@@ -338,14 +412,15 @@ def encode(x: torch.Tensor, config: CodecConfig, raw_dtype: torch.dtype | None =
     # is, except when finite values overflow it, which then only sends a (correct) raw payload.
     if not bool(torch.isfinite(flat.sum())):
         return Encoded(Mode.RAW, numel, flat.to(raw_dtype), reason="nonfinite")
-    common = {"bits": config.bits, "block_size": config.block_size}
+    common = {"bits": config.bits, "block_size": config.block_size, "rotated": config.rotation}
+    quantize = {"scale_dtype": config.scale_torch_dtype, "rotate": config.rotation}
     k = config.topk_count(numel)
     index_size = index_dtype_for(numel).itemsize
     if config.topk_ratio < 1.0 and _aligned(k * index_size) + _dense_bytes(k, config) < _dense_bytes(numel, config):
         indices = topk_indices(flat, k)
-        codes, scales = quantize_blocks(flat[indices], config.bits, config.block_size, config.scale_torch_dtype)
+        codes, scales = quantize_blocks(flat[indices], config.bits, config.block_size, **quantize)
         return Encoded(Mode.SPARSE, numel, codes, scales=scales, indices=indices.to(index_dtype_for(numel)), **common)
-    codes, scales = quantize_blocks(flat, config.bits, config.block_size, config.scale_torch_dtype)
+    codes, scales = quantize_blocks(flat, config.bits, config.block_size, **quantize)
     return Encoded(Mode.DENSE, numel, codes, scales=scales, **common)
 
 
@@ -353,7 +428,9 @@ def decode(encoded: Encoded) -> torch.Tensor:
     """``(numel,)`` float32 values of an :class:`Encoded` (zeros where Top-k dropped elements)."""
     if encoded.mode == Mode.RAW:
         return encoded.values.float()
-    values = dequantize_blocks(encoded.values, encoded.scales, encoded.count, encoded.bits, encoded.block_size)
+    values = dequantize_blocks(
+        encoded.values, encoded.scales, encoded.count, encoded.bits, encoded.block_size, encoded.rotated
+    )
     if encoded.mode == Mode.DENSE:
         return values
     out = torch.zeros(encoded.numel, dtype=torch.float32, device=values.device)

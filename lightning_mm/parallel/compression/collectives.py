@@ -157,7 +157,7 @@ def _encode_segment(
             index = encoded.indices.long()
             residual.copy_(compensated)
             residual[index] -= dequantize_blocks(
-                encoded.values, encoded.scales, encoded.count, encoded.bits, encoded.block_size
+                encoded.values, encoded.scales, encoded.count, encoded.bits, encoded.block_size, encoded.rotated
             )
         else:
             _store_residual(residual, compensated, decode(encoded))
