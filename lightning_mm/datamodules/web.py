@@ -13,10 +13,12 @@ streaming:
    them with the ``regroup`` stages on their lengths only (``none``: fixed ``batch_size``; ``bucket``;
    ``pack``), then deal the global batches round-robin to the data-parallel ranks: rank ``r`` gets
    batches ``r, r + W, r + 2W, ...``. The last ``len % W`` global batches are dropped so every rank has
-   the same number of steps; together with what regrouping leaves over (a last partial pack batch),
-   that is the documented remainder, counted in ``epoch_stats``. Every other sample is used exactly
-   once per epoch, which ``sample_ids`` make checkable. With ``balance=True`` the dealing instead evens
-   the compute cost (``regroup.batch_cost``) of the batches the ranks take at each step.
+   the same number of steps; together with what regrouping leaves over (the last, short batch), that
+   is the documented remainder, counted in the plan and printed each epoch (``carry_remainder=True``
+   plans the short batch again at the start of the next epoch instead of dropping it). Every other
+   sample is used exactly once per epoch, which ``sample_ids`` make checkable. With ``balance=True``
+   the dealing instead evens the compute cost (``regroup.batch_cost``) of the batches the ranks take at
+   each step.
 3. **Load** (in DataLoader workers): worker ``w`` of a rank loads the rank's planned batches
    ``w, w + workers, ...`` by seeking into the shards, decodes, patchifies, tokenizes and collates
    them. PyTorch's DataLoader returns worker outputs round-robin, so the batch order is the plan's
@@ -112,16 +114,28 @@ class EpochPlan:
     max_segments_per_row: int
     """Most samples in any row of the *global* plan (constant shapes for packed batches)."""
     planned_samples: int
-    """Samples in the split before regrouping."""
+    """Samples planned for the epoch before regrouping: the split's, plus ``carried_in``."""
     used_samples: int
     """Samples in the batches of all data-parallel ranks."""
     step_balance: list[float] = dataclasses.field(default_factory=list)
     """``step_balance[i]``: max / mean over the data-parallel ranks of the cost (``balance_cost``) of their batch ``i``
     (the same on every rank; 1.0 is perfect balance); nan for the steps a resumed run skips (consumed before)."""
+    short_batch_samples: int = 0
+    """Samples regrouping left out: the last, short batch a training epoch does not yield (constant shapes)."""
+    carried_in: int = 0
+    """Samples of the previous epoch's short batch planned again in this one (``carry_remainder=True``)."""
+    carried_out: int = 0
+    """Samples of this epoch's short batch carried into the next epoch (``carry_remainder=True``): not dropped."""
 
     @property
     def dropped_samples(self) -> int:
-        return self.planned_samples - self.used_samples
+        """Samples planned and not used this epoch, not counting those carried into the next one."""
+        return self.planned_samples - self.used_samples - self.carried_out
+
+    @property
+    def dealt_out_samples(self) -> int:
+        """Samples of the batches that would not give every data-parallel rank a step (``epoch_policy="drop"``)."""
+        return self.planned_samples - self.used_samples - self.short_batch_samples
 
 
 def _stand_in(index: int, num_patches: int, num_tokens: int) -> PatchedSample:
@@ -291,6 +305,7 @@ class _PlannedSplit(IterableDataset):
         self.resumed_world: int | None = None
         self.cost = owner.cost_coefficients
         self._plans: dict[tuple[int, int | None, int | None], EpochPlan] = {}
+        self._short: dict[int, list[int]] = {}  # epoch -> record indices of its short batch (carry_remainder)
 
     # ----------------------------------------------------------------------------------- planning
 
@@ -329,20 +344,45 @@ class _PlannedSplit(IterableDataset):
             for r, (_, tokens) in zip(self.records, self.lengths, strict=True)
         ]
 
-    def _make_plan(self, epoch: int, resumed_global: int | None = None, resumed_world: int | None = None) -> EpochPlan:
+    def carried_into(self, epoch: int) -> list[int]:
+        """Record indices of the previous epoch's short batch, planned again in ``epoch`` (``carry_remainder``).
+
+        A function of ``(seed, epoch)`` like the plans: epoch ``e`` carries what the global batch list of ``e - 1``
+        (itself carrying ``e - 2``'s, ...) left out, so a resume replans the chain (lengths only; kept per epoch).
+        The dealing remainder is not carried: it depends on the number of ranks (``epoch_policy="pad"`` keeps it).
+        """
+        if not self.config.get("carry_remainder") or epoch <= 0:
+            return []
+        for previous in range(epoch):
+            if previous not in self._short:
+                self._global_batches(previous)
+        return self._short[epoch - 1]
+
+    def _global_batches(self, epoch: int) -> tuple[list[Batch], list[int], list[int]]:
+        """The epoch's global batch list (whatever the number of ranks), the record indices regrouping left out (the
+        last, short batch; empty when it is kept) and the record indices carried in from the previous epoch."""
         cfg = self.config
         order = list(range(len(self.records)))
         # String seeds hash with SHA-512 in random.Random: the same plan in every process.
         rng = random.Random(f"{cfg['seed']}-{epoch}-plan")
         if self.shuffle:
             rng.shuffle(order)
+        carried = self.carried_into(epoch)
+        if carried:
+            # First in the stream, so they are planned early; this epoch's own occurrences of the same samples move
+            # to its end, so the two are not packed into one batch (a caption's duplicate is a false negative).
+            again = set(carried)
+            order = carried + [i for i in order if i not in again] + [i for i in order if i in again]
         lengths = self.epoch_lengths(epoch)
         samples = (_stand_in(i, *lengths[i]) for i in order)
         # Validation keeps the last, short batch (every pair scored); training keeps shapes and sizes.
         partial = cfg.get("partial_last_batch", False)
+        short: list[int] = []
         if cfg["regroup"] == "none":
-            last_start = len(order) if partial else len(order) - cfg["batch_size"] + 1
-            batches = [[[i] for i in order[s : s + cfg["batch_size"]]] for s in range(0, last_start, cfg["batch_size"])]
+            size = cfg["batch_size"]
+            batches = [[[i] for i in order[s : s + size]] for s in range(0, len(order), size)]
+            if not partial and batches and len(batches[-1]) < size:
+                short = [row[0] for row in batches.pop()]
         elif cfg["regroup"] == "bucket":
             batches = [
                 [[s.sample_id] for s in batch]
@@ -360,9 +400,20 @@ class _PlannedSplit(IterableDataset):
                     cfg["rows_per_batch"],
                     cfg["buffer_size"],
                     rng,
-                    partial=partial,
+                    partial=True,  # the last, short batch is yielded: it is either kept or its samples counted
+                    fit=cfg["pack_fit"],
                 )
             ]
+            if not partial and batches and len(batches[-1]) < cfg["rows_per_batch"]:
+                short = [i for row in batches.pop() for i in row]
+        if cfg.get("carry_remainder"):
+            self._short[epoch] = short
+        return batches, short, carried
+
+    def _make_plan(self, epoch: int, resumed_global: int | None = None, resumed_world: int | None = None) -> EpochPlan:
+        cfg = self.config
+        batches, short, carried = self._global_batches(epoch)
+        lengths = self.epoch_lengths(epoch)
         segments = max((len(row) for batch in batches for row in batch), default=1)
         # The global batch list does not depend on the number of ranks; only the dealing does. A resumed epoch deals
         # what the checkpoint had not consumed (global batches `done:`) to the ranks of *this* run, so a checkpoint
@@ -376,7 +427,16 @@ class _PlannedSplit(IterableDataset):
         # them as done, so the epoch's length is theirs plus what is left.
         skipped = self.skip if resumed_global is not None else 0
         mine = [[] for _ in range(skipped)] + mine
-        return EpochPlan(mine, segments, len(order), used, [math.nan] * skipped + balance)
+        return EpochPlan(
+            mine,
+            segments,
+            len(self.records) + len(carried),
+            used,
+            [math.nan] * skipped + balance,
+            short_batch_samples=len(short),
+            carried_in=len(carried),
+            carried_out=len(short) if cfg.get("carry_remainder") else 0,
+        )
 
     def __len__(self) -> int:
         # The whole epoch, also when resuming: Lightning restores how many batches it has consumed and
@@ -542,6 +602,13 @@ class ImageTextWebDataModule(L.LightningDataModule):
             :func:`~lightning_mm.datamodules.regroup.flop_coefficients`), ``{"preset": ..., "attention": "row"}``
             for dense masked attention over padded rows (the reference implementation), or the fields of
             :class:`~lightning_mm.datamodules.regroup.CostCoefficients` (e.g. fitted to measured step times).
+        carry_remainder: training epochs do not yield their last, short batch (constant shapes; ``none``: fewer than
+            ``batch_size`` samples, ``pack``: fewer than ``rows_per_batch`` rows). False (default): its samples are
+            dropped for that epoch (counted, printed each epoch); True: they are planned again at the start of the
+            next epoch (``EpochPlan.carried_in`` / ``carried_out``), a pure function of ``(seed, epoch)`` like the
+            rest of the plan, so a resume replans the same. The dealing remainder (whole batches that would not give
+            every data-parallel rank a step) depends on the number of ranks and is not carried: use
+            ``epoch_policy="pad"`` to keep it.
 
     Every skipped sample is counted by kind and printed: after indexing each split, at the end of every epoch
     and when the run ends (with an example shard / key per kind), whatever callbacks are present.
@@ -578,6 +645,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         curriculum: dict[int, int] | None = None,
         balance: bool = False,
         balance_cost: str | dict[str, Any] = "1b",
+        carry_remainder: bool = False,
     ) -> None:
         super().__init__()
         check_image_pixels(max_image_pixels)
@@ -590,6 +658,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
                     f"curriculum[{start}] = {cap!r}: a patch cap per image must be an integer in "
                     f"[1, max_patches_per_image={max_patches_per_image}]"
                 )
+        if not isinstance(carry_remainder, bool):
+            raise ValueError(f"carry_remainder must be True or False, got {carry_remainder!r}")
         if isinstance(max_skipped_fraction, bool) or not 0 <= max_skipped_fraction <= 1:
             raise ValueError(f"max_skipped_fraction must be in [0, 1], got {max_skipped_fraction!r}")
         if regroup not in ("none", "bucket", "pack"):
@@ -665,6 +735,9 @@ class ImageTextWebDataModule(L.LightningDataModule):
             **({"curriculum": dict(sorted(hp.curriculum.items()))} if hp.curriculum else {}),
             # (only when set, as above: the balanced dealing orders the epoch by these costs)
             **({"balance": True, "balance_cost": self.cost_coefficients.as_dict()} if hp.balance else {}),
+            # The packing algorithm makes the plan: a checkpoint of an older one counts batches of another plan.
+            **({"pack_fit": "proportional"} if hp.regroup == "pack" else {}),
+            **({"carry_remainder": True} if hp.carry_remainder else {}),
         }
 
     # ------------------------------------------------------------------------------------ indexing
@@ -798,10 +871,18 @@ class ImageTextWebDataModule(L.LightningDataModule):
         rank = self._global_rank()
         if split == "train" and rank == 0:
             # Not a skip (nothing wrong with these samples), but data the epoch did not train on: say it.
+            epoch = dataset.epoch
+            carried = f" ({plan.carried_in} carried in from epoch {epoch - 1})" if plan.carried_in else ""
+            short = (
+                f"carried into epoch {epoch + 1} (carry_remainder=True)"
+                if dataset.config.get("carry_remainder")
+                else "dropped; carry_remainder=True carries them into the next epoch"
+            )
             _print(
-                f"  left out by this epoch's plan: {plan.dropped_samples} of {plan.planned_samples} samples (the "
-                "batches that would not give every data-parallel rank a step, and a last partial packed batch; "
-                "epoch_policy='pad' keeps them)"
+                f"  left out by this epoch's plan: {plan.dropped_samples + plan.carried_out} of "
+                f"{plan.planned_samples} samples{carried}: {plan.short_batch_samples} in the last short batch "
+                f"({short}), {plan.dealt_out_samples} in the batches that would not give every data-parallel rank a "
+                "step (epoch_policy='pad' keeps them)"
             )
             steps = [b for b in plan.step_balance if not math.isnan(b)]
             if steps:  # (this run's steps; max / mean batch cost over the data-parallel ranks, per step)
@@ -866,6 +947,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             dataset.config = {**dataset.config, "epoch_policy": "pad", "partial_last_batch": True}
             dataset.config.pop("curriculum", None)  # validation is always scored at full resolution
             dataset.config.pop("balance", None)  # (round-robin: each pair scored once either way)
+            dataset.config.pop("carry_remainder", None)  # (nothing is left out: the last short batch is kept)
             if self.hparams.regroup == "none" and self.hparams.val_batch_size:
                 dataset.config["batch_size"] = self.hparams.val_batch_size
         if len(dataset.plan(0).batches) == 0:

@@ -4,6 +4,7 @@ determinism, bad input through the whole pipeline, and exact mid-epoch resume th
 from __future__ import annotations
 
 import io
+from collections import Counter
 from types import SimpleNamespace
 
 import lightning as L
@@ -348,8 +349,9 @@ def test_curriculum_raises_the_patch_cap_by_epoch(shards, capsys):
         return most
 
     curriculum = {0: 4, 1: 16}
-    low = _batches(_dm(shards, regroup="pack", curriculum=curriculum), 0, 1, epoch=0)
-    high = _batches(_dm(shards, regroup="pack", curriculum=curriculum), 0, 1, epoch=1)
+    # (a token budget that binds in neither epoch: the batch count then follows the patches)
+    low = _batches(_dm(shards, regroup="pack", curriculum=curriculum, max_tokens_per_batch=768), 0, 1, epoch=0)
+    high = _batches(_dm(shards, regroup="pack", curriculum=curriculum, max_tokens_per_batch=768), 0, 1, epoch=1)
     assert patches_per_image(low) == 4 and patches_per_image(high) == 16
     assert len(low) < len(high)  # smaller images: more pairs per batch, fewer batches
     assert "data (train, epoch 0): curriculum: max_patches_per_image 4" in capsys.readouterr().err
@@ -495,3 +497,72 @@ def test_step_balance_reaches_padding_stats(shards):
     )
     trainer.fit(model, datamodule=_dm(shards, **_BALANCE_SETTINGS["bucket"], balance=True))
     assert model.seen == [1.0, 1.0, 1.0]  # one rank: every step is balanced
+
+
+def _ids(batches) -> list[int]:
+    return [i for batch in batches for i in batch.sample_ids[batch.sample_ids >= 0].tolist()]
+
+
+@pytest.mark.parametrize("regroup", ["none", "pack"])
+def test_carry_remainder_plans_the_short_batch_into_the_next_epoch(shards, regroup, capsys):
+    every = sum(SHARD_SIZES)
+    # Default: the short batch is dropped each epoch, counted and printed.
+    dm = _dm(shards, regroup=regroup, seed=5)  # (a seed whose epochs 0 and 1 both leave a short batch)
+    dropped = _ids(_batches(dm, 0, 1, epoch=0))
+    plan = dm.train_dataloader().dataset.plan(0)
+    assert plan.short_batch_samples > 0 and plan.carried_out == plan.carried_in == 0  # (these settings leave one)
+    assert plan.dropped_samples == plan.short_batch_samples == every - len(dropped)
+    printed = capsys.readouterr().err
+    assert f"left out by this epoch's plan: {plan.short_batch_samples} of {every} samples" in printed
+    assert f"{plan.short_batch_samples} in the last short batch (dropped;" in printed
+
+    dm = _dm(shards, regroup=regroup, seed=5, carry_remainder=True)
+    first, second = _ids(_batches(dm, 0, 1, epoch=0)), _ids(_batches(dm, 0, 1, epoch=1))
+    plans = [dm.train_dataloader().dataset.plan(epoch) for epoch in (0, 1)]
+    assert first == dropped  # epoch 0 plans as without the option
+    assert len(set(first)) == len(first)
+    assert plans[0].carried_out == plans[0].short_batch_samples == every - len(first) > 0
+    assert plans[1].carried_in == plans[0].carried_out and plans[1].planned_samples == every + plans[1].carried_in
+    assert plans[0].dropped_samples == plans[1].dropped_samples == 0  # one rank: nothing dealt out either
+    # Over epochs 0 + 1 every sample is seen once per epoch, except the ones epoch 1 still carries, seen once.
+    counts = Counter(first + second)
+    still_carried = [i for i in range(every) if counts[i] == 1]
+    assert sorted(counts) == list(range(every)) and set(counts.values()) <= {1, 2}
+    assert len(still_carried) == plans[1].carried_out == plans[1].short_batch_samples > 0
+    assert len(first) + len(second) == 2 * every - plans[1].carried_out
+    printed = capsys.readouterr().err
+    assert f"({plans[1].carried_in} carried in from epoch 0)" in printed
+    assert "in the last short batch (carried into epoch 2 (carry_remainder=True))" in printed
+    # Deterministic and resumable: a fresh DataModule asked for epoch 1 replans epoch 0's short batch alike.
+    assert _ids(_batches(_dm(shards, regroup=regroup, seed=5, carry_remainder=True), 0, 1, epoch=1)) == second
+    assert "carry_remainder" in dm.regroup_config()  # in the plan fingerprint
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2)])
+def test_carry_remainder_resumes_mid_epoch_on_another_number_of_ranks(shards, before, after):
+    """Epoch 1 (which plans epoch 0's short batch again) checkpointed about halfway by ``before`` ranks and finished
+    by ``after`` ranks: the samples seen are exactly the epoch's usable ones, carried ones included."""
+    settings = {"regroup": "pack", "rows_per_batch": 3, "max_patches_per_batch": 96, "max_tokens_per_batch": 288}
+    settings.update(seed=4, carry_remainder=True)  # (epoch 0 leaves a short batch with this seed)
+    whole = _dm(shards, **settings)
+    epoch_ids = Counter(_ids(_batches(whole, 0, 1, epoch=1)))  # one rank: every global batch of epoch 1
+    carried = whole.train_dataloader().dataset.carried_into(1)
+    assert carried and all(epoch_ids[i] >= 1 for i in carried)
+    consumed = max(1, len(_batches(_dm(shards, **settings), 0, 1, epoch=1)) // (2 * before))
+    seen = []
+    for rank in range(before):
+        seen += _ids(_batches(_dm(shards, **settings), rank, before, epoch=1)[:consumed])
+    state = {
+        **_dm(shards, **settings).state_dict(),
+        "epoch": 1,
+        "batches": consumed,
+        "global_batches": consumed * before,
+    }
+    for rank in range(after):
+        dm = _dm(shards, **settings)
+        dm.load_state_dict(state)
+        seen += _ids(_batches(dm, rank, after, epoch=1))
+    plan = dm.train_dataloader().dataset.plan(1)
+    assert len(seen) == plan.used_samples and plan.carried_in == len(carried)
+    assert not Counter(seen) - epoch_ids  # nothing outside the epoch's plan, nothing more often than planned
+    assert plan.used_samples + plan.dropped_samples + plan.carried_out == sum(SHARD_SIZES) + len(carried)
