@@ -10,7 +10,8 @@ budgets:
 * ``bucket``: :func:`lightning_mm.datamodules.regroup.bucket_batches`, batch budgets = rows x row budgets.
 * ``pack_first``: :func:`lightning_mm.datamodules.regroup.pack_rows` with ``fit="first"`` (NaViT first-fit
   decreasing), fixed rows per batch.
-* ``pack``: the same with ``fit="balanced"`` (the default).
+* ``pack_balanced``: the same with ``fit="balanced"`` (the default before ``proportional``).
+* ``pack``: the same with ``fit="proportional"`` (the default).
 
 The row budgets are set to the mean patch / token ratio of the drawn lengths, so both budgets bind: the
 hard case for packing, and the one where the choice of budget alone does not hide padding. The lower
@@ -223,7 +224,7 @@ def run_scale(scale_name: str, count: int, seed: int) -> tuple[dict, list[dict]]
             count,
         )
         results.append(summarize("bucket", buffer, batches, one_per_row_padding(batches), count, us))
-    for fit, name in (("first", "pack_first"), ("balanced", "pack")):
+    for fit, name in (("first", "pack_first"), ("balanced", "pack_balanced"), ("proportional", "pack")):
         for buffer in BUFFER_SIZES:
             stats = RegroupStats()
 
@@ -259,12 +260,12 @@ def print_table(scale_name: str, info: dict, results: list[dict]) -> None:
         f"{info['lower_bound_padding']:.1%}"
     )
     print(
-        f"{'strategy':<10} {'buffer':>6} {'batches':>8} {'smp/batch':>9} {'dropped':>7} "
+        f"{'strategy':<13} {'buffer':>6} {'batches':>8} {'smp/batch':>9} {'dropped':>7} "
         f"{'pad patch':>9} {'pad token':>9} {'pad all':>8} {'us/sample':>9}"
     )
     for r in results:
         print(
-            f"{r['strategy']:<10} {r['buffer_size'] or '-':>6} {r['batches_per_epoch']:>8} "
+            f"{r['strategy']:<13} {r['buffer_size'] or '-':>6} {r['batches_per_epoch']:>8} "
             f"{r['samples_per_batch']:>9.1f} {r['samples_dropped']:>7} {r['patch_padding']:>9.1%} "
             f"{r['token_padding']:>9.1%} {r['padding']:>8.1%} {r['us_per_sample']:>9.2f}"
         )
