@@ -17,12 +17,16 @@
    The runs go one after the other in one pair of processes (same data order; same seed except where named).
    ``--optimizer sgd`` repeats it with SGD + momentum instead of AdamW (a diagnostic, stored under its own key).
 3. **Wall time over a slow link.** Two network namespaces joined by a veth pair, both ends shaped with a ``tc``
-   token bucket (``--link-rates``, default unshaped, 1 Gbit/s and 100 Mbit/s; needs root), one gloo rank in each,
-   a hand-written DDP loop (no Lightning: the hook from ``lightning_mm.parallel.compression``) on the tiny model.
-   Median step time per codec, the saving against uncompressed, the saving predicted from the measured link
-   bandwidth, bytes and codec time (``(S - S/r) / B - T_c``), and the break-even bandwidth both predicted
-   (``B*``) and measured (``saving = a / B - c`` fitted over the rates, zero at ``a / c``). Both ranks still
-   share this machine's CPU cores; only the network is separated.
+   token bucket (``--link-rates``, default unshaped, 10 Gbit/s, 1 Gbit/s and 100 Mbit/s; needs root; the unshaped
+   veth itself carries ~2.7 Gbit/s here, so "10gbit" is a cap the link never reaches), one gloo rank in each, a
+   hand-written loop (no Lightning) on the tiny model: DDP with the hook from ``lightning_mm.parallel.compression``
+   (uncompressed, INT8, T1 = INT4 + rotation), and T2 (each rank a replica, no per-step exchange,
+   :class:`~lightning_mm.parallel.replica_sync.ReplicaSyncState` every 16 steps with Top-10 % + INT4
+   pseudo-gradients). Step time per run (T2: amortised over its 16-step windows; median over windows), the saving
+   against uncompressed, the saving predicted from the measured link bandwidth, bytes and codec time
+   (``(S - S/r) / B - T_c``), and the break-even bandwidth both predicted (``B*``) and measured
+   (``saving = a / B - c`` fitted over the rates, zero at ``a / c``). Both ranks still share this machine's CPU
+   cores; only the network is separated.
 
 Writes ``benchmarks/results/compression.json`` (parts not run are kept from the previous file) and prints tables.
 """
@@ -327,11 +331,13 @@ def part2(args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------ part 3
 
-# name -> codec (None: DDP's own all-reduce), as in part 2
+# name -> codec (None: DDP's own all-reduce), as in part 2; "replica_sync" entries: no per-step gradient exchange,
+# a ReplicaSyncState sync every H steps (T2, the pseudo-gradients through the codec with error feedback).
 LINK_RUNS: dict[str, dict[str, Any] | None] = {
     "uncompressed": None,
     "int8": {"bits": 8},
-    "top1% + int8, error feedback": {"bits": 8, "topk_ratio": 0.01},
+    "int4 (T1)": {"bits": 4, "rotation": True, "scale_dtype": "bfloat16"},
+    "T2 H=16, top10% + int4": {"replica_sync": 16, "bits": 4, "topk_ratio": 0.1},
 }
 _NAMESPACES = ("lmm-bench-a", "lmm-bench-b")
 _VETH = ("lmmbenchva", "lmmbenchvb")
@@ -366,7 +372,7 @@ def _shape(rate: str | None) -> None:
         _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
         if rate is not None:
             # burst: about 2 ms at the rate (>= one timer tick); latency bounds the queue.
-            burst = {"1gbit": "256kb", "100mbit": "32kb"}.get(rate, "64kb")
+            burst = {"10gbit": "2500kb", "1gbit": "256kb", "100mbit": "32kb"}.get(rate, "64kb")
             _sh(
                 "ip",
                 "netns",
@@ -393,6 +399,7 @@ def _link_worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_mm.parallel.compression import GradCompressionState, register_ddp_compression
+    from lightning_mm.parallel.replica_sync import ReplicaSyncState, fp32_all_reduce_bytes
 
     rank, world = args.link_worker, 2
     os.environ["GLOO_SOCKET_IFNAME"] = _VETH[rank]
@@ -424,50 +431,64 @@ def _link_worker(args: argparse.Namespace) -> None:
         model = VisionLanguageModel(
             build_config("tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=48)
         )
-        ddp = DistributedDataParallel(model)
-        state = None
-        if codec is not None:
-            state = GradCompressionState(CodecConfig(min_numel=args.min_numel, **codec))
-            register_ddp_compression(ddp, state)
-        runs[name] = {
-            "ddp": ddp,
-            "state": state,
-            "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
-            "times": [],
-            "codec": [],
-            "before": [],
-            "after": [],
-        }
-    # Round-robin over the codecs (a few steps each per round), so load drift of this shared machine hits them alike.
-    per_round = 3
+        codec = dict(codec or {})
+        every = codec.pop("replica_sync", None)
+        run: dict[str, Any] = {"every": every or 1, "times": [], "codec": [], "before": [], "after": []}
+        if every is not None:  # T2: each rank a replica, trained on its own; parameters synced every `every` steps
+            run["net"], run["group"] = model, None
+            run["sync"] = ReplicaSyncState(
+                dict(model.named_parameters()), None, CodecConfig(**codec), outer_lr=0.9, outer_momentum=0.3
+            )
+        else:
+            run["net"], run["group"] = DistributedDataParallel(model), dist.group.WORLD
+            if codec:
+                run["state"] = GradCompressionState(CodecConfig(min_numel=args.min_numel, **codec))
+                register_ddp_compression(run["net"], run["state"])
+        run["optimizer"] = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        runs[name] = run
+    # Round-robin over the runs, 16 steps each per round (one whole T2 window), so load drift of this shared machine
+    # hits them alike.
+    per_round = 16
     for round_start in range(0, len(batches), per_round):
         for run in runs.values():
             for step, batch in enumerate(batches[round_start : round_start + per_round]):
-                if run["state"] is not None:
-                    run["state"].stats.reset()
+                stats = run["state"].stats if "state" in run else run["sync"].stats if "sync" in run else None
+                if stats is not None:
+                    stats.reset()
                 dist.barrier()
                 start = time.perf_counter()
-                loss = compute_losses(run["ddp"](batch), batch, group=dist.group.WORLD).total
+                loss = compute_losses(run["net"](batch), batch, group=run["group"]).total
                 run["optimizer"].zero_grad(set_to_none=True)
                 loss.backward()
                 run["optimizer"].step()
+                if "sync" in run and (round_start + step + 1) % run["every"] == 0:
+                    run["sync"].sync(dict(run["net"].named_parameters()))
                 elapsed = time.perf_counter() - start
-                if round_start == 0 and step == 0:
+                if round_start == 0 and step == 0 and "sync" not in run:
                     continue  # first step: allocator warm-up, DDP rebuilds its buckets afterwards
                 run["times"].append(elapsed)
-                if run["state"] is not None:
-                    stats = run["state"].stats
+                if stats is not None:
                     run["codec"].append(stats.codec_seconds)
-                    run["before"].append(stats.bytes_before)
+                    # T2: bytes against what a per-step fp32 all-reduce of the same parameters would send
+                    before = fp32_all_reduce_bytes(run["sync"].numel, world) if "sync" in run else stats.bytes_before
+                    run["before"].append(before)
                     run["after"].append(stats.bytes_after)
     results = {}
     for name, run in runs.items():
-        row = {"step_seconds_median": statistics.median(run["times"]), "steps": len(run["times"])}
-        if run["state"] is not None:
+        every = run["every"]
+        # Amortised over whole sync windows (T2: H steps, one of them with the sync; others: one step), then the
+        # median over windows.
+        windows = [run["times"][i : i + every] for i in range(0, len(run["times"]) - every + 1, every)]
+        row = {
+            "step_seconds_median": statistics.median(sum(w) / every for w in windows),
+            "steps": len(run["times"]),
+            "sync_every": every,
+        }
+        if run["after"]:
             row.update(
-                bytes_before=statistics.median(run["before"]),
-                bytes_after=statistics.median(run["after"]),
-                codec_seconds=statistics.median(run["codec"]),
+                bytes_before=statistics.fmean(run["before"]),
+                bytes_after=statistics.fmean(run["after"]),
+                codec_seconds=statistics.fmean(run["codec"]),
             )
         results[name] = row
     if rank == 0:
@@ -617,10 +638,10 @@ def main() -> None:
     parser.add_argument(
         "--link-rates",
         nargs="+",
-        default=["unshaped", "1gbit", "100mbit"],
+        default=["unshaped", "10gbit", "1gbit", "100mbit"],
         help="tc tbf rates of part 3 ('unshaped' = no qdisc)",
     )
-    parser.add_argument("--link-steps", type=int, default=30, help="steps per codec and rate (part 3)")
+    parser.add_argument("--link-steps", type=int, default=64, help="steps per codec and rate (part 3)")
     parser.add_argument("--output", default="benchmarks/results/compression.json")
     # internal: one rank of part 3, started inside a network namespace
     parser.add_argument("--link-worker", type=int, default=None, help=argparse.SUPPRESS)
