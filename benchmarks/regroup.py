@@ -285,6 +285,7 @@ def plot(report: dict, path: Path) -> bool:
         ax.bar(labels, [100 * r["padding"] for r in results])
         ax.set_ylabel("padding of patch + token slots (%)")
         ax.set_title(scale_name)
+        ax.tick_params(axis="x", labelrotation=60, labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return True
