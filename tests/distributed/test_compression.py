@@ -319,14 +319,14 @@ def _checkpoint_round_trip(rank: int, world: int, directory: str) -> dict:
     L.seed_everything(1234, verbose=False)
     batches = shard_batches(random_samples(16, seed=9), 8, rank, world)  # one epoch = 2 steps
     loader = torch.utils.data.DataLoader(batches, batch_size=None)
-    callback = CompressedAllToAll(topk_ratio=0.01, min_numel=1024)
+    callback = CompressedAllToAll(topk_ratio=0.01, min_numel=1024, allow_topk_with_adaptive_optimizer=True)
     trainer = _trainer(world, "ddp", 2, [callback])
     trainer.fit(VLMModule(preset="tiny", warmup_steps=1), train_dataloaders=loader)
     saved = callback.state.residual_state()
     path = str(Path(directory) / "compressed.ckpt")
     trainer.save_checkpoint(path)
     stored = torch.load(path, weights_only=False)["callbacks"][callback.state_key]
-    resumed_callback = CompressedAllToAll(topk_ratio=0.01, min_numel=1024)
+    resumed_callback = CompressedAllToAll(topk_ratio=0.01, min_numel=1024, allow_topk_with_adaptive_optimizer=True)
     probe = _ResidualsAtStart(resumed_callback)
     resumed = _trainer(world, "ddp", 4, [resumed_callback, probe])
     L.seed_everything(1234, verbose=False)
@@ -340,7 +340,15 @@ def _training(rank: int, world: int, directory: str) -> dict:
         for name, kwargs in (
             ("plain", None),
             ("int8", {"topk_ratio": 1.0, "bits": 8}),
-            ("top1_ramp", {"topk_ratio": 0.01, "warmup_steps": 1, "sparsity_warmup_steps": 3}),
+            (
+                "top1_ramp",
+                {
+                    "topk_ratio": 0.01,
+                    "warmup_steps": 1,
+                    "sparsity_warmup_steps": 3,
+                    "allow_topk_with_adaptive_optimizer": True,
+                },
+            ),
         )
     }
     out.update(
@@ -349,7 +357,7 @@ def _training(rank: int, world: int, directory: str) -> dict:
             for name, kwargs in (
                 ("plain", None),
                 ("int8", {"topk_ratio": 1.0, "bits": 8}),
-                ("top1", {"topk_ratio": 0.01, "warmup_steps": 1}),
+                ("top1", {"topk_ratio": 0.01, "warmup_steps": 1, "allow_topk_with_adaptive_optimizer": True}),
             )
         }
     )

@@ -305,7 +305,7 @@ def test_sparsity_warmup_sets_the_codec_of_each_step():
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "topk_ratio", "warns"),
+    ("optimizer", "topk_ratio", "refused"),
     [
         (torch.optim.AdamW, 0.01, True),
         (torch.optim.Adam, 0.1, True),
@@ -313,14 +313,19 @@ def test_sparsity_warmup_sets_the_codec_of_each_step():
         (torch.optim.AdamW, 1.0, False),
     ],
 )
-def test_top_k_with_an_adaptive_optimizer_warns(optimizer, topk_ratio, warns, recwarn):
+def test_top_k_with_an_adaptive_optimizer_is_refused_unless_allowed(optimizer, topk_ratio, refused, recwarn):
     model = nn.Linear(2, 2)
     trainer = SimpleNamespace(optimizers=[optimizer(model.parameters(), lr=0.1)])
-    CompressedAllToAll(topk_ratio=topk_ratio)._warn_adaptive_topk(trainer)
+    if refused:
+        with pytest.raises(ValueError, match="allow_topk_with_adaptive_optimizer=True") as error:
+            CompressedAllToAll(topk_ratio=topk_ratio)._check_adaptive_topk(trainer)
+        assert optimizer.__name__ in str(error.value) and "+150 %" in str(error.value)
+    else:
+        CompressedAllToAll(topk_ratio=topk_ratio)._check_adaptive_topk(trainer)
+    # Allowed: it runs, with the same message as a warning.
+    CompressedAllToAll(topk_ratio=topk_ratio, allow_topk_with_adaptive_optimizer=True)._check_adaptive_topk(trainer)
     messages = [str(w.message) for w in recwarn if "adaptive optimizers" in str(w.message)]
-    assert bool(messages) == warns, messages
-    if warns:
-        assert optimizer.__name__ in messages[0] and "topk_ratio=1.0" in messages[0]
+    assert bool(messages) == refused, messages
 
 
 # ------------------------------------------------------------------------------------ Hadamard rotation (T1)
