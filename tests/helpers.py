@@ -14,7 +14,15 @@ from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.stages import PatchedSample, collate_one_per_row
 from lightning_mm.testing.launch import free_port, run_distributed
 
-__all__ = ["LossRecorder", "free_port", "full_copy", "random_samples", "run_distributed", "shard_batches"]
+__all__ = [
+    "LossRecorder",
+    "free_port",
+    "full_copy",
+    "quiet_trainer",
+    "random_samples",
+    "run_distributed",
+    "shard_batches",
+]
 
 
 def random_samples(
@@ -73,3 +81,25 @@ class LossRecorder(L.Callback):
 def full_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A detached copy of the whole tensor (a sharded DTensor gathered first), to compare across ranks and runs."""
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def quiet_trainer(devices: int, strategy, max_steps: int, callbacks=(), **overrides) -> L.Trainer:
+    """A CPU Trainer for tests: no logger, checkpointing, progress bar, model summary, sanity check or validation, and
+    no injected distributed sampler (tests shard their batches by hand); ``overrides`` win."""
+    settings = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "use_distributed_sampler": False,
+    }
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        callbacks=list(callbacks),
+        **{**settings, **overrides},
+    )

@@ -33,7 +33,7 @@ from lightning_mm.parallel.compression import (
     encode,
     quantize_blocks,
 )
-from tests.helpers import LossRecorder, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, quiet_trainer, random_samples, run_distributed, shard_batches
 
 WORLD = 2
 DENSE = CodecConfig(bits=8, block_size=32)
@@ -281,20 +281,7 @@ class _ResidualsAtStart(L.Callback):
 
 
 def _trainer(world: int, strategy, steps: int, callbacks: list) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
-    )
+    return quiet_trainer(world, strategy, steps, callbacks)
 
 
 def _fit(rank: int, world: int, strategy_name: str, compression: dict | None, steps: int = STEPS) -> dict:

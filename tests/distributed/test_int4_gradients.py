@@ -19,7 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_mm.callbacks import CompressedAllToAll
 from lightning_mm.models import VLMModule
-from tests.helpers import LossRecorder, full_copy, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, full_copy, quiet_trainer, random_samples, run_distributed, shard_batches
 
 WORLD = 2
 STEPS = 8
@@ -53,20 +53,8 @@ def _fit(rank: int, world: int, strategy_name: str, codec: dict | None, director
         callbacks.append(
             ModelCheckpoint(dirpath=directory, every_n_train_steps=KILL_AT, save_top_k=-1, filename="{step}")
         )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=HybridParallelStrategy() if strategy_name == "fsdp2" else "ddp",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=directory is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
-    )
+    strategy = HybridParallelStrategy() if strategy_name == "fsdp2" else "ddp"
+    trainer = quiet_trainer(world, strategy, STEPS, callbacks, enable_checkpointing=directory is not None)
     path = str(Path(directory) / f"step={KILL_AT}.ckpt") if resume else None
     trainer.fit(module, train_dataloaders=StatefulDataLoader(batches, batch_size=None), ckpt_path=path)
     return {

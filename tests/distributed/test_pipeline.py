@@ -31,7 +31,7 @@ from lightning_mm.batch import MultimodalBatch
 from lightning_mm.models import VLMModule
 from lightning_mm.models.vlm.pipeline import pad_batch
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, full_copy, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, full_copy, quiet_trainer, random_samples, run_distributed, shard_batches
 
 GLOBAL_BATCH, STEPS, SEED, CLIP = 8, 5, 2, 0.5
 OVERRIDES = {"fusion_layers": 3}  # 5 pipeline units (vision, 1 unimodal, 3 fusion) for 4 virtual stages
@@ -80,21 +80,8 @@ class _NoBackwardStrategy(HybridParallelStrategy):
 
 
 def _trainer(devices: int, strategy, accumulate: int, clip, callbacks) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        gradient_clip_val=clip,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
+    return quiet_trainer(
+        devices, strategy, STEPS, callbacks, gradient_clip_val=clip, accumulate_grad_batches=accumulate
     )
 
 

@@ -37,7 +37,7 @@ from lightning_mm.callbacks import BadBatchError, BadBatchGuard, GradientConsist
 from lightning_mm.datamodules.stages import PatchedSample
 from lightning_mm.models import VLMModule
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, full_copy, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, full_copy, quiet_trainer, random_samples, run_distributed, shard_batches
 
 GLOBAL_BATCH, SEED = 8, 1234
 
@@ -65,22 +65,7 @@ def _dp(name: str, rank: int, world: int) -> tuple[int, int]:
 
 
 def _trainer(strategy, steps: int, callbacks, root: str, clip: float | None = None) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        gradient_clip_val=clip,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
-        default_root_dir=root,
-    )
+    return quiet_trainer(2, strategy, steps, callbacks, gradient_clip_val=clip, default_root_dir=root)
 
 
 def _loader(batches):

@@ -25,7 +25,7 @@ from lightning_mm.callbacks import ReplicaSync
 from lightning_mm.models import VLMModule
 from lightning_mm.parallel.compression import CodecConfig
 from lightning_mm.parallel.replica_sync import ReplicaSyncState, fp32_all_reduce_bytes
-from tests.helpers import LossRecorder, full_copy, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, full_copy, quiet_trainer, random_samples, run_distributed, shard_batches
 
 WORLD = 2
 
@@ -126,23 +126,6 @@ def _regression_batches(rank: int, world: int, steps: int = 6, global_batch: int
     return batches
 
 
-def _trainer(world: int, strategy, steps: int, callbacks: list, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
-        **{"enable_checkpointing": False, **kwargs},
-    )
-
-
 def _regression_fit(rank: int, world: int, sync: str) -> dict:
     from lightning_mm.strategies import HybridParallelStrategy
 
@@ -153,7 +136,7 @@ def _regression_fit(rank: int, world: int, sync: str) -> dict:
         callbacks.insert(0, ReplicaSync(every=1, outer_lr=1.0, outer_momentum=0.0))
     strategy = HybridParallelStrategy(data_parallel_replicate=world, data_parallel_shard=1)
     loader = torch.utils.data.DataLoader(_regression_batches(rank, world), batch_size=None)
-    _trainer(world, strategy, 6, callbacks).fit(module, train_dataloaders=loader)
+    quiet_trainer(world, strategy, 6, callbacks).fit(module, train_dataloaders=loader)
     return {"losses": recorder.losses, "params": [full_copy(p) for p in module.parameters()]}
 
 
@@ -167,7 +150,7 @@ def test_h1_uncompressed_equals_data_parallel_and_one_process():
     module = _Regression(momentum=0.9)
     recorder = LossRecorder()
     loader = torch.utils.data.DataLoader(_regression_batches(0, 1), batch_size=None)
-    _trainer(1, "auto", 6, [recorder]).fit(module, train_dataloaders=loader)
+    quiet_trainer(1, "auto", 6, [recorder]).fit(module, train_dataloaders=loader)
     single = recorder.losses
     for rank in range(WORLD):
         for sync in ("hsdp", "replica_sync"):
@@ -181,7 +164,7 @@ def test_replica_sync_refuses_a_strategy_without_replica_groups():
     module = _Regression()
     loader = torch.utils.data.DataLoader(_regression_batches(0, 1), batch_size=None)
     with pytest.raises(ValueError, match="HybridParallelStrategy"):
-        _trainer(1, "auto", 1, [ReplicaSync(every=4)]).fit(module, train_dataloaders=loader)
+        quiet_trainer(1, "auto", 1, [ReplicaSync(every=4)]).fit(module, train_dataloaders=loader)
     with pytest.raises(ValueError, match="topk_ratio"):
         ReplicaSync(topk_ratio=0.01)
     with pytest.raises(ValueError, match="every"):
@@ -207,7 +190,7 @@ def _vlm_fit(rank: int, world: int, directory: str, resume: bool) -> dict:
     recorder = LossRecorder()
     checkpoints = ModelCheckpoint(dirpath=directory, every_n_train_steps=KILL_AT, save_top_k=-1, filename="{step}")
     strategy = HybridParallelStrategy(data_parallel_replicate=world, data_parallel_shard=1)
-    trainer = _trainer(world, strategy, STEPS, [sync, recorder, checkpoints], enable_checkpointing=True)
+    trainer = quiet_trainer(world, strategy, STEPS, [sync, recorder, checkpoints], enable_checkpointing=True)
     path = str(Path(directory) / f"step={KILL_AT}.ckpt") if resume else None
     trainer.fit(module, train_dataloaders=loader, ckpt_path=path)
     return {

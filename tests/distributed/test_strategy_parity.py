@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from lightning_mm.models import VLMModule
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, full_copy, random_samples, run_distributed, shard_batches
+from tests.helpers import LossRecorder, full_copy, quiet_trainer, random_samples, run_distributed, shard_batches
 
 GLOBAL_BATCH, STEPS, SEED, CLIP = 8, 5, 1234, 0.5
 
@@ -46,21 +46,7 @@ CONFIGS: dict[str, tuple[int, dict]] = {
 
 
 def _trainer(world: int, strategy, callbacks) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=STEPS,
-        gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
-    )
+    return quiet_trainer(world, strategy, STEPS, callbacks, gradient_clip_val=CLIP)
 
 
 def _fit_reference_vlm(rank: int, world: int, kwargs: dict | None) -> dict:
