@@ -18,13 +18,13 @@
    ``--optimizer sgd`` repeats it with SGD + momentum instead of AdamW (a diagnostic, stored under its own key).
 3. **Wall time over a slow link.** Two network namespaces joined by a veth pair, both ends shaped with a ``tc``
    token bucket (``--link-rates``, default unshaped, 10 Gbit/s, 1 Gbit/s and 100 Mbit/s; needs root; the unshaped
-   veth itself carries ~2.7 Gbit/s here, so "10gbit" is a cap the link never reaches), one gloo rank in each, a
-   hand-written loop (no Lightning) on the tiny model: DDP with the hook from ``lightning_mm.parallel.compression``
-   (uncompressed, INT8, T1 = INT4 + rotation), and T2 (each rank a replica, no per-step exchange,
-   :class:`~lightning_mm.parallel.replica_sync.ReplicaSyncState` every 16 steps with Top-10 % + INT4
-   pseudo-gradients). Step time per run (T2: amortised over its 16-step windows; median over windows), the saving
-   against uncompressed, the saving predicted from the measured link bandwidth, bytes and codec time
-   (``(S - S/r) / B - T_c``), and the break-even bandwidth both predicted (``B*``) and measured
+   veth itself carried 2.7 to 14.6 Gbit/s in different runs on this machine: the probe measures each), one gloo
+   rank in each, a hand-written loop (no Lightning) on the tiny model: DDP with the hook from
+   ``lightning_mm.parallel.compression`` (uncompressed, INT8, T1 = INT4 + rotation), and T2 (each rank a replica,
+   no per-step exchange, :class:`~lightning_mm.parallel.replica_sync.ReplicaSyncState` every 16 steps with
+   Top-10 % + INT4 pseudo-gradients). Step time per run (T2: amortised over its 16-step windows; median over
+   windows), the saving against uncompressed, the saving predicted from the measured link bandwidth, bytes and
+   codec time (``(S - S/r) / B - T_c``), and the break-even bandwidth both predicted (``B*``) and measured
    (``saving = a / B - c`` fitted over the rates, zero at ``a / c``). Both ranks still share this machine's CPU
    cores; only the network is separated.
 
