@@ -136,7 +136,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             the units that begin stages 1, 2, ..., e.g. ``["model.fusion_layers.0"]``.
         virtual_stages: stages per pipeline rank (interleaved schedules).
         pipeline_shape: ``(rows, patches_per_row, tokens_per_row, segments_per_row)`` every batch is padded to
-            (pipelining needs fixed shapes); default: the first batch's.
+            (pipelining needs fixed shapes); default: the first batch's, with twice its segments per row.
         expert_parallel: expert-parallel degree; borrows ranks from ``data_parallel_shard`` (must divide it) and
             shards the model's declared experts (``parallel_plan().apply_expert_parallel``,
             :mod:`lightning_mm.parallel.experts`) over them; with

@@ -324,8 +324,14 @@ class _FixedShape:
     def __call__(self, batch: MultimodalBatch) -> MultimodalBatch:
         argument = "pipeline_shape"
         if self.shape is None:
-            self.shape = (batch.num_rows, batch.patches.shape[1], batch.tokens.shape[1], batch.segment_slots)
-            argument = "pipeline_shape (taken from the first batch)"
+            # Rows, patch and token widths of packed batches are fixed by the DataModule's budgets, but how many
+            # samples a row holds varies from batch to batch (the first batch of a run had 8 per row and a later one
+            # 9). Twice the first batch's count, capped at one per token slot (every sample has a token), leaves
+            # room without the cost of the exact bound (slots = token slots: the pooling loops over slots); a batch
+            # beyond it still fails naming pipeline_shape.
+            slots = min(2 * batch.segment_slots, batch.tokens.shape[1])
+            self.shape = (batch.num_rows, batch.patches.shape[1], batch.tokens.shape[1], slots)
+            argument = "pipeline_shape (taken from the first batch, with twice its segments per row)"
         if self.shape[0] % self.microbatches:
             raise ValueError(
                 f"a batch of {self.shape[0]} rows does not split into microbatches={self.microbatches}; "
