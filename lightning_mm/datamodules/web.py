@@ -840,7 +840,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
             )
 
     def _sum_over_data_parallel(self, skipped: int, total: int) -> tuple[int, int]:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        # Without a Trainer this process planned the whole split for itself (data-parallel size 1), even when a
+        # process group exists (e.g. rank 0 of a benchmark building held-out batches): its counts are the total, and
+        # a collective would wait for ranks that are not iterating.
+        if self.trainer is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return skipped, total
         strategy = self.trainer.strategy
         # None on a mesh with one data-parallel rank (e.g. pure tensor / pipeline parallel): nothing to sum.
