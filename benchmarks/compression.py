@@ -182,7 +182,8 @@ def part1(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _Recorder(L.Callback):
-    """Global training loss per step (mean over ranks) and this rank's compression metrics per step."""
+    """Global training loss per step (mean over ranks) and this rank's ``compression/`` and ``replica_sync/``
+    metrics per step (prefix dropped; the two callbacks' metric names do not overlap)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -199,7 +200,11 @@ class _Recorder(L.Callback):
         dist.all_reduce(loss)
         self.losses.append(loss.item() / dist.get_world_size())
         self.compression.append(
-            {k.split("/", 1)[1]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("compression/")}
+            {
+                k.split("/", 1)[1]: float(v)
+                for k, v in trainer.callback_metrics.items()
+                if k.startswith(("compression/", "replica_sync/"))
+            }
         )
 
 
@@ -222,6 +227,18 @@ class _SGDModule(VLMModule):
         return config
 
 
+def _module(dm: ImageTextWebDataModule, args: argparse.Namespace, module_type: type[VLMModule] = VLMModule):
+    """The tiny reference module every convergence run trains (its tables sized from ``dm``)."""
+    return module_type(
+        preset="tiny",
+        vocab_size=dm.vocab_size,
+        patch_size=16,
+        max_patches_per_image=48,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+    )
+
+
 def _train(
     name: str,
     compression: dict[str, Any] | None,
@@ -234,15 +251,7 @@ def _train(
     ``compression_remedies.py``; its callbacks may log ``compression/bytes_before|bytes_after|ratio``."""
     L.seed_everything(seed, verbose=False)
     dm = _datamodule(args)
-    module_type = module_type or (_SGDModule if args.optimizer == "sgd" else VLMModule)
-    module = module_type(
-        preset="tiny",
-        vocab_size=dm.vocab_size,
-        patch_size=16,
-        max_patches_per_image=48,
-        learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps,
-    )
+    module = _module(dm, args, module_type or (_SGDModule if args.optimizer == "sgd" else VLMModule))
     recorder = _Recorder()
     # The compression callback runs first: it logs its step metrics before the recorder reads them.
     # Top-k with AdamW is what this benchmark measures (the callback refuses it by default, citing these runs).

@@ -82,24 +82,6 @@ METHODS: dict[str, tuple[dict[str, int], dict[str, Any] | None, dict[str, Any] |
 }
 
 
-class _Counters(L.Callback):
-    """Per step: the compression / replica-sync counters the method's callback logged (it runs first)."""
-
-    def __init__(self) -> None:
-        self.grad_before = self.grad_after = 0.0
-        self.replica_sent = 0.0
-        self.replica_ratio = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        metrics = trainer.callback_metrics
-        if "compression/bytes_before" in metrics:
-            self.grad_before += float(metrics["compression/bytes_before"])
-            self.grad_after += float(metrics["compression/bytes_after"])
-        if "replica_sync/bytes_sent" in metrics:
-            self.replica_sent = float(metrics["replica_sync/bytes_sent"])
-            self.replica_ratio = float(metrics["replica_sync/bytes_vs_fp32"])
-
-
 def _heldout_batches(args: argparse.Namespace) -> list:
     """``--heldout-batches`` fixed validation batches, built on rank 0 and sent to every rank (the same batches on
     both ranks, for every method)."""
@@ -132,21 +114,14 @@ def _train(name: str, seed: int, args: argparse.Namespace, heldout: list) -> dic
     degrees, codec, sync, axis = METHODS[name]
     L.seed_everything(seed, verbose=False)
     dm = bench._datamodule(args)
-    module = VLMModule(
-        preset="tiny",
-        vocab_size=dm.vocab_size,
-        patch_size=16,
-        max_patches_per_image=48,
-        learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps,
-    )
-    recorder, counters = bench._Recorder(), _Counters()
+    module = bench._module(dm, args)
+    recorder = bench._Recorder()
     callbacks: list[L.Callback] = []
     if codec is not None:
         callbacks.append(CompressedAllToAll(**codec, min_numel=args.min_numel))
     if sync is not None:
         callbacks.append(ReplicaSync(**sync, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum))
-    callbacks += [counters, recorder]
+    callbacks.append(recorder)  # last: the method's callback logs its counters before the recorder reads them
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
@@ -164,14 +139,15 @@ def _train(name: str, seed: int, args: argparse.Namespace, heldout: list) -> dic
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm)
     wall = time.perf_counter() - start
-    numel = sum(p.numel() for p in module.parameters())
-    fp32_reduce_scatter = (WORLD - 1) * -(-numel // WORLD) * 4  # per step, what FSDP2 sends in fp32 (approx.)
+    steps = recorder.compression  # this rank's logged counters, per step
     if codec is not None:
-        ratio, per_step = counters.grad_before / counters.grad_after, counters.grad_after / args.steps
-    elif sync is not None:
-        ratio, per_step = counters.replica_ratio, counters.replica_sent / args.steps
-    else:
-        ratio, per_step = 1.0, fp32_reduce_scatter
+        after = sum(row.get("bytes_after", 0.0) for row in steps)
+        ratio, per_step = sum(row.get("bytes_before", 0.0) for row in steps) / after, after / args.steps
+    elif sync is not None:  # ReplicaSync logs running totals
+        ratio, per_step = steps[-1]["bytes_vs_fp32"], steps[-1]["bytes_sent"] / args.steps
+    else:  # per step, what FSDP2's reduce-scatter sends in fp32 (approx.)
+        numel = sum(p.numel() for p in module.parameters())
+        ratio, per_step = 1.0, (WORLD - 1) * -(-numel // WORLD) * 4
     heldout_losses = _heldout_loss(module, heldout)
     return {
         "name": name,
@@ -285,7 +261,7 @@ def _plot(record: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(9, 5))
-    window = 25
+    window = min(25, len(record["runs"][0]["losses"]))  # a smoke run shorter than 25 steps: one window
     for name in METHODS:
         runs = [r["losses"] for r in record["runs"] if r["name"] == name]
         if not runs:

@@ -459,8 +459,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
         if self.activation_checkpointing:
             apply_activation_checkpointing(blocks)
-        if self._fsdp_mesh() is not None:
-            self._apply_fsdp(module, blocks, mp_policy)
+        fsdp_mesh = self._fsdp_mesh()
+        if fsdp_mesh is not None:
+            self._apply_fsdp(module, blocks, fsdp_mesh, mp_policy)
         _PARALLELIZED[module] = None
         return module
 
@@ -484,7 +485,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             )
         return plan.tp_plan
 
-    def _apply_fsdp(self, module: nn.Module, blocks: list[nn.Module], mp_policy) -> None:
+    def _apply_fsdp(self, module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, mp_policy) -> None:
         # FSDP2 shards each child of the LightningModule that has parameters, with that child's blocks as units,
         # rather than calling fully_shard on the LightningModule itself (which would swap its class for an
         # FSDP subclass under Lightning's feet).
@@ -495,7 +496,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "are registered on the LightningModule itself; move them into a submodule (e.g. self.net = ...) "
                 "or override configure_model"
             )
-        mesh = self._fsdp_mesh()
         experts = set(expert_parameters(module)) if self.parallel_dims.ep_enabled else set()
         for child in module.children():
             if not any(True for _ in child.parameters()):
@@ -617,15 +617,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
             }
             apply_tensor_parallel(module, dims.get_mesh("tp"), tp_plan)
         blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
+        fsdp_mesh = self._fsdp_mesh()
         for stage_module in stage_modules:
             inside = {id(sub) for sub in stage_module.modules()}
             stage_blocks = [b for b in blocks if id(b) in inside and b is not stage_module]
             if self.activation_checkpointing:
                 apply_activation_checkpointing(stage_blocks)
-            if self._fsdp_mesh() is not None:
+            if fsdp_mesh is not None:
                 apply_fsdp(
                     stage_module,
-                    self._fsdp_mesh(),
+                    fsdp_mesh,
                     mp_policy=mp_policy,
                     reshard_after_forward=False,
                     cpu_offload=self.cpu_offload,
