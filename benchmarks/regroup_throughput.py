@@ -3,7 +3,9 @@
     python benchmarks/regroup_throughput.py [--steps 12] [--rounds 3] [--preset small]
 
 For ``regroup`` in ``none`` / ``bucket`` / ``pack`` at the same per-batch budget (``none`` gets the
-largest ``batch_size`` whose worst case fits the budget), on the embedded default shards:
+largest ``batch_size`` whose worst case fits the budget), and ``pack_auto`` (``pack`` with the same patch
+budget and ``max_tokens_per_batch="auto"``: the token budget sized from the data's tokens-per-patch
+ratio), on the embedded default shards:
 
 1. pipeline throughput: samples/s of ``ImageTextWebDataModule`` (read + decode + patchify + tokenize +
    collate over ``--pipeline-batches`` batches, plus the epoch's planning time spread over the epoch's
@@ -31,7 +33,7 @@ from lightning_mm.datamodules.regroup import batch_padding
 from lightning_mm.datamodules.web import ImageTextWebDataModule
 from lightning_mm.models import VisionLanguageModel, build_config, compute_losses
 
-MODES = ("none", "bucket", "pack")
+MODES = ("none", "bucket", "pack", "pack_auto")
 
 
 def _datamodule(mode: str, args: argparse.Namespace) -> ImageTextWebDataModule:
@@ -41,10 +43,10 @@ def _datamodule(mode: str, args: argparse.Namespace) -> ImageTextWebDataModule:
         patch_size=16,
         max_patches_per_image=args.max_patches_per_image,
         max_text_tokens=args.max_text_tokens,
-        regroup=mode,
+        regroup="pack" if mode == "pack_auto" else mode,
         batch_size=batch_size,
         max_patches_per_batch=args.patch_budget,
-        max_tokens_per_batch=args.token_budget,
+        max_tokens_per_batch="auto" if mode == "pack_auto" else args.token_budget,
         rows_per_batch=args.rows_per_batch,
         buffer_size=args.buffer_size,
         seed=0,
@@ -76,7 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small", help="model preset")
     parser.add_argument("--steps", type=int, default=12, help="training steps per mode and round")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved repeats")
     parser.add_argument("--pipeline-batches", type=int, default=40, help="batches per pipeline pass")
     parser.add_argument("--patch-budget", type=int, default=768, help="max_patches_per_batch")
     parser.add_argument("--token-budget", type=int, default=768, help="max_tokens_per_batch")
@@ -140,14 +142,15 @@ def main() -> None:
             "padding_fraction_mean": statistics.fmean(padding[mode]),
             "samples_per_step_mean": statistics.fmean(samples_per_step[mode]),
             "batches_per_epoch": len(modules[mode].train_dataloader()),
+            "budgets": list(modules[mode].batch_budgets),
         }
     print(
-        f"{'mode':8} {'pipeline samp/s':>16} {'vs none':>8} {'train real tok/s':>17} {'vs none':>8} "
+        f"{'mode':10} {'pipeline samp/s':>16} {'vs none':>8} {'train real tok/s':>17} {'vs none':>8} "
         f"{'padding':>8} {'samples/step':>13} {'batches/epoch':>14}"
     )
     for mode, r in results.items():
         print(
-            f"{mode:8} {r['pipeline_samples_per_s_median']:16.1f} {r['pipeline_vs_none']:8.2f} "
+            f"{mode:10} {r['pipeline_samples_per_s_median']:16.1f} {r['pipeline_vs_none']:8.2f} "
             f"{r['train_real_tokens_per_s_median']:17.0f} {r['train_vs_none']:8.2f} "
             f"{100 * r['padding_fraction_mean']:7.1f}% {r['samples_per_step_mean']:13.1f} "
             f"{r['batches_per_epoch']:14d}"

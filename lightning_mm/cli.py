@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         # that `args` is meant for programmatic use (it did on every torchrun launch).
         args=None if from_command_line else argv,
         save_config_kwargs={"overwrite": True},
+        # The regrouping DataModules plan a new batch count every epoch; Lightning reads a loader's length once
+        # unless it rebuilds the loader each epoch (ImageTextWebDataModule refuses a multi-epoch run without it).
+        trainer_defaults={"reload_dataloaders_every_n_epochs": 1},
     )
 
 

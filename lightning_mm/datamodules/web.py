@@ -516,6 +516,15 @@ def _all_padding(rows: int, patches: int, tokens: int, segments: int, patch_size
     )
 
 
+def _budget_from_ratio(given: int, wanted_total: int, given_total: int, rows: int, largest: int) -> int | None:
+    """An ``"auto"`` budget: ``given`` times the data's ratio ``wanted_total / given_total``, rounded up to whole
+    ``rows`` and to at least ``largest`` per row; None when ``given_total`` is 0 (no ratio to follow)."""
+    if given_total == 0:
+        return None
+    per_row = max(math.ceil(given * wanted_total / given_total / rows), largest)
+    return per_row * rows
+
+
 def _cost_coefficients(spec: str | dict[str, Any], patch_size: int) -> CostCoefficients:
     """``balance_cost`` -> coefficients; errors name the argument."""
     spec = {"preset": spec} if isinstance(spec, str) else spec
@@ -559,6 +568,13 @@ class ImageTextWebDataModule(L.LightningDataModule):
         batch_size: samples per batch with ``regroup="none"``.
         max_patches_per_batch: patch budget per batch (``bucket``, ``pack``), padding included.
         max_tokens_per_batch: token budget per batch (``bucket``, ``pack``), padding included.
+            One of the two budgets may be ``"auto"``: it is sized from the other by the training split's real
+            ratio of caption tokens to image patches (summed over its indexed samples, under
+            ``max_patches_per_image`` / ``max_text_tokens``, after the filters), rounded up to whole rows
+            (``pack``) and to at least one largest sample per row / batch, and printed. A fixed split wastes the
+            budget the data does not fill: on the embedded default data (0.79 caption tokens per image patch) a
+            768 / 768 packed batch leaves 22 % of its token slots as padding, an ``"auto"`` token budget (608)
+            under 3 %, at the same samples per batch.
         rows_per_batch: rows of a packed batch; each row holds up to ``budget / rows_per_batch``.
         buffer_size: samples regrouped together (bigger: less padding, batches drawn from a wider window).
         seed: seed of the plan (shuffle and regrouping); the plan changes every epoch.
@@ -626,8 +642,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
         max_text_tokens: int = 64,
         regroup: Regroup = "pack",
         batch_size: int = 32,
-        max_patches_per_batch: int = 2048,
-        max_tokens_per_batch: int = 2048,
+        max_patches_per_batch: int | Literal["auto"] = 2048,
+        max_tokens_per_batch: int | Literal["auto"] = 2048,
         rows_per_batch: int = 8,
         buffer_size: int = 1000,
         seed: int = 0,
@@ -668,13 +684,21 @@ class ImageTextWebDataModule(L.LightningDataModule):
             raise ValueError(f"epoch_policy must be 'drop' or 'pad', got {epoch_policy!r}")
         if on_error not in ("skip", "raise"):
             raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
+        budgets = {"max_patches_per_batch": max_patches_per_batch, "max_tokens_per_batch": max_tokens_per_batch}
+        auto = [name for name, value in budgets.items() if isinstance(value, str)]
+        for name in auto:
+            if budgets[name] != "auto":
+                raise ValueError(f"{name} must be an integer or 'auto', got {budgets[name]!r}")
+        if len(auto) == 2:
+            raise ValueError(
+                "max_patches_per_batch and max_tokens_per_batch are both 'auto': give one, the other is sized from it"
+            )
         for name, value, low in (
             ("patch_size", patch_size, 1),
             ("max_patches_per_image", max_patches_per_image, 1),
             ("max_text_tokens", max_text_tokens, 2),
             ("batch_size", batch_size, 1),
-            ("max_patches_per_batch", max_patches_per_batch, 1),
-            ("max_tokens_per_batch", max_tokens_per_batch, 1),
+            *((name, value, 1) for name, value in budgets.items() if name not in auto),
             ("rows_per_batch", rows_per_batch, 1),
             ("buffer_size", buffer_size, 1),
             ("num_workers", num_workers, 0),
@@ -689,7 +713,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 ("max_patches_per_batch", max_patches_per_batch, "max_patches_per_image", max_patches_per_image),
                 ("max_tokens_per_batch", max_tokens_per_batch, "max_text_tokens", max_text_tokens),
             ):
-                if budget // rows < cap:
+                if budget_name not in auto and budget // rows < cap:
                     raise ValueError(
                         f"{budget_name}{per} = {budget // rows} must be >= {cap_name} = {cap}, "
                         f"or the largest sample fits no {unit}"
@@ -710,22 +734,52 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0}
         self._resume: dict[str, int] | None = None
         self._resume_world: int | None = None
+        self._budgets: tuple[int, int] | None = None
+        self._curriculum_printed: int | None = None
         self.filter_counts: dict[str, int] = dict.fromkeys(FILTER_KINDS, 0)
         """Training samples each quality filter dropped at indexing (:data:`~lightning_mm.datamodules.filters.
         FILTER_KINDS`)."""
 
+    @property
+    def batch_budgets(self) -> tuple[int, int]:
+        """``(max_patches_per_batch, max_tokens_per_batch)``, an ``"auto"`` one sized from the training split (indexes
+        it on first use; see the arguments)."""
+        if self._budgets is None:
+            hp = self.hparams
+            patches, tokens = hp.max_patches_per_batch, hp.max_tokens_per_batch
+            if "auto" in (patches, tokens):
+                lengths = self._index("train")[1]
+                real_patches, real_tokens = sum(p for p, _ in lengths), sum(t for _, t in lengths)
+                rows = hp.rows_per_batch if hp.regroup == "pack" else 1
+                if tokens == "auto":
+                    tokens = _budget_from_ratio(patches, real_tokens, real_patches, rows, hp.max_text_tokens)
+                    if tokens is None:
+                        raise ValueError("max_tokens_per_batch='auto': the training split has no image patches")
+                    sized = f"max_tokens_per_batch='auto' -> {tokens}"
+                else:
+                    patches = _budget_from_ratio(tokens, real_patches, real_tokens, rows, hp.max_patches_per_image)
+                    sized = f"max_patches_per_batch='auto' -> {patches}"
+                if self._global_rank() == 0:
+                    _print(
+                        f"data (train): {sized} ({real_tokens / max(real_patches, 1):.3f} caption tokens per image "
+                        f"patch over {len(lengths)} samples)"
+                    )
+            self._budgets = (patches, tokens)
+        return self._budgets
+
     def regroup_config(self) -> dict[str, Any]:
         hp = self.hparams
+        max_patches, max_tokens = self.batch_budgets
         return {
             "regroup": hp.regroup,
             "batch_size": hp.batch_size,
             "seed": hp.seed,
             "buffer_size": hp.buffer_size,
-            "max_patches_per_batch": hp.max_patches_per_batch,
-            "max_tokens_per_batch": hp.max_tokens_per_batch,
+            "max_patches_per_batch": max_patches,
+            "max_tokens_per_batch": max_tokens,
             "rows_per_batch": hp.rows_per_batch,
-            "max_patches_per_row": hp.max_patches_per_batch // hp.rows_per_batch,
-            "max_tokens_per_row": hp.max_tokens_per_batch // hp.rows_per_batch,
+            "max_patches_per_row": max_patches // hp.rows_per_batch,
+            "max_tokens_per_row": max_tokens // hp.rows_per_batch,
             "patch_size": hp.patch_size,
             "max_patches_per_image": hp.max_patches_per_image,
             "max_text_tokens": hp.max_text_tokens,
@@ -941,11 +995,12 @@ class ImageTextWebDataModule(L.LightningDataModule):
         records, lengths = self._index(split)
         rank, world = self._data_parallel_rank_and_size()
         dataset = _PlannedSplit(records, lengths, self, shuffle, rank, world)
-        if split == "train" and self._resume is not None:
-            # Lightning asks the loader's length before iterating it: a resumed epoch dealt to another number of
-            # ranks has another length (the consumed batches plus this run's share of the rest).
-            resume = self._resume
-            dataset.set_epoch(resume["epoch"], resume["batches"], resume["global_batches"], self._resume_world)
+        if split == "train":
+            # Lightning asks the loader's length before iterating it (and, unless it reloads the loader every epoch,
+            # only once): the length must be that of the epoch the loader is made for, and a resumed epoch dealt to
+            # another number of ranks has another one (the consumed batches plus this run's share of the rest).
+            dataset.set_epoch(*self._train_position())
+            self._check_epoch_lengths(len(dataset))
         if split == "val":
             dataset.config = {**dataset.config, "epoch_policy": "pad", "partial_last_batch": True}
             dataset.config.pop("curriculum", None)  # validation is always scored at full resolution
@@ -962,10 +1017,12 @@ class ImageTextWebDataModule(L.LightningDataModule):
         def start(_epoch_fn=epoch_fn):
             self._start_pass(split)
             state = _epoch_fn()
+            epoch = state[0] if isinstance(state, tuple) else state
             if split == "train" and self.hparams.curriculum and self._global_rank() == 0:
-                epoch = state[0] if isinstance(state, tuple) else state
-                cap = dataset.max_patches_per_image(epoch)
-                _print(f"data (train, epoch {epoch}): curriculum: max_patches_per_image {cap}")
+                if epoch != self._curriculum_printed:  # (Lightning may start a pass's iterator twice)
+                    self._curriculum_printed = epoch
+                    cap = dataset.max_patches_per_image(epoch)
+                    _print(f"data (train, epoch {epoch}): curriculum: max_patches_per_image {cap}")
             return state
 
         return EpochAwareLoader(
@@ -976,21 +1033,54 @@ class ImageTextWebDataModule(L.LightningDataModule):
             on_exhausted=lambda: self._end_pass(split, dataset),
         )
 
+    def _train_position(self) -> tuple[int, int, int | None, int | None]:
+        """``dataset.set_epoch`` arguments of the training epoch now: the epoch, this rank's batches consumed before a
+        checkpoint of it, the global batches consumed, their data-parallel size (None, None without a resume).
+        Reads only: Lightning also builds the loader before the loops are restored (to estimate the stepping
+        batches), when the current epoch is not yet the checkpoint's."""
+        epoch = self._current_epoch()
+        if self._resume is None or self._resume["epoch"] != epoch:
+            return epoch, 0, None, None
+        return epoch, self._resume["batches"], self._resume["global_batches"], self._resume_world
+
     def _train_epoch_and_skip(self) -> tuple[int, int, int | None, int | None]:
         """Epoch to plan and batches to skip, asked each time the train loader is iterated.
 
         Idempotent within an epoch (Lightning may create the iterator more than once before the first
         batch): the resume point holds until a later epoch starts.
         """
-        epoch = self._current_epoch()
-        if self._resume is not None and self._resume["epoch"] != epoch:
+        position = self._train_position()
+        epoch, skip, done, _ = position
+        if done is None:
             self._resume = None
-        if self._resume is None:
-            self._consumed = {"epoch": epoch, "batches": 0, "global_batches": 0}
-            return epoch, 0, None, None
-        skip, done = self._resume["batches"], self._resume["global_batches"]
-        self._consumed = {"epoch": epoch, "batches": skip, "global_batches": done}
-        return epoch, skip, done, self._resume_world
+        self._consumed = {"epoch": epoch, "batches": skip, "global_batches": done or 0}
+        return position
+
+    def _check_epoch_lengths(self, length: int) -> None:
+        """Refuse a run whose later epochs Lightning would cut short.
+
+        Lightning reads a training loader's length once, when it builds the loader, and ends every epoch after that
+        many batches (``fit_loop.max_batches``) unless ``Trainer(reload_dataloaders_every_n_epochs=1)`` rebuilds
+        the loader each epoch. Here the batch count changes from epoch to epoch (``bucket`` / ``pack`` regroup a
+        new shuffle; ``carry_remainder`` adds the carried samples; a ``curriculum`` changes the pairs per batch), so
+        a longer later epoch would lose its last batches without a word.
+        """
+        trainer, hp = self.trainer, self.hparams
+        reload = getattr(trainer, "reload_dataloaders_every_n_epochs", 1)
+        if reload == 1 or not (hp.regroup != "none" or hp.carry_remainder):
+            return
+        max_epochs, max_steps = getattr(trainer, "max_epochs", 1), getattr(trainer, "max_steps", -1)
+        accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+        if max_epochs == 1 or 0 <= max_steps * accumulate <= length - self._train_position()[1]:
+            return  # (the run ends within this epoch)
+        raise ValueError(
+            f"ImageTextWebDataModule(regroup={hp.regroup!r}"
+            + (", carry_remainder=True" if hp.carry_remainder else "")
+            + f"): the number of training batches changes between epochs (this one has {length}), but Lightning "
+            f"reads a loader's length once and cuts every later epoch to it unless the loader is rebuilt each "
+            f"epoch: set Trainer(reload_dataloaders_every_n_epochs=1) (it is {reload}; `lightning-mm fit` sets 1), "
+            f"or end the run within one epoch (max_epochs=1)"
+        )
 
     def train_dataloader(self) -> EpochAwareLoader:
         return self._loader("train", shuffle=True, epoch_fn=self._train_epoch_and_skip)

@@ -261,6 +261,7 @@ def _fit(shards, tmp_path, max_steps, ckpt_path=None, workers=0, save_every=None
         enable_checkpointing=bool(save_every),
         callbacks=callbacks,
         default_root_dir=tmp_path,
+        reload_dataloaders_every_n_epochs=1,  # (each epoch's plan has its own batch count)
     )
     dm = _dm(shards, regroup="pack", num_workers=workers)
     model = VLMModule(preset="tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=16)
@@ -277,6 +278,48 @@ def test_mid_epoch_resume_replays_exactly(shards, tmp_path, workers):
     assert ckpt.is_file()
     resumed = _fit(shards, tmp_path / "resumed", total, ckpt_path=str(ckpt), workers=workers)
     assert resumed == full[2:]
+
+
+class _EpochBatchCounter(L.Callback):
+    def __init__(self) -> None:
+        self.per_epoch: Counter[int] = Counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.per_epoch[trainer.current_epoch] += 1
+
+
+def test_every_epoch_trains_its_whole_plan(shards, tmp_path, capsys):
+    """The batch count changes between epochs (here a curriculum: 4 patches per image in epoch 0, 16 in epoch 1, so
+    epoch 1 has more batches). Lightning reads a loader's length once unless it reloads the loader each epoch, and
+    cut epoch 1 to epoch 0's count (it trained 2 of 3 batches, saying nothing); now every epoch trains its whole plan,
+    and a Trainer that would cut it is refused."""
+    settings = dict(regroup="pack", curriculum={0: 4, 1: 16}, max_tokens_per_batch=768)  # (patches bind)
+    plans = [len(_batches(_dm(shards, **settings), 0, 1, epoch=e)) for e in (0, 1)]
+    assert plans[0] < plans[1]
+
+    def fit(**trainer_args) -> Counter[int]:
+        counter = _EpochBatchCounter()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=[counter],
+            default_root_dir=tmp_path,
+            **trainer_args,
+        )
+        dm = _dm(shards, **settings)
+        model = VLMModule(preset="tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=16)
+        trainer.fit(model, datamodule=dm)
+        return counter.per_epoch
+
+    assert fit(reload_dataloaders_every_n_epochs=1) == {0: plans[0], 1: plans[1]}
+    assert "data (train, epoch 1): skipped 0 of" in capsys.readouterr().err  # the epoch ran to its end
+    with pytest.raises(ValueError, match=r"reload_dataloaders_every_n_epochs=1\) \(it is 0"):
+        fit()
 
 
 def test_fewer_shards_than_ranks_times_workers(shards, tmp_path):
@@ -363,6 +406,36 @@ def test_curriculum_raises_the_patch_cap_by_epoch(shards, capsys):
     assert dm.regroup_config()["curriculum"] == curriculum  # in the plan fingerprint: a resume checks it
     with pytest.raises(ValueError, match=r"curriculum\[1\] = 32.*max_patches_per_image=16"):
         _dm(shards, curriculum={0: 4, 1: 32})
+
+
+def test_auto_budget_follows_the_data_ratio(shards, capsys):
+    """``max_tokens_per_batch="auto"``: the token budget is the patch budget times the split's real tokens per patch,
+    rounded up to whole rows; the plan then fills both budgets, where a mismatched fixed one leaves its slots empty."""
+    dm = _dm(shards, regroup="pack", max_tokens_per_batch="auto")
+    records, lengths = dm._index("train")
+    ratio = sum(t for _, t in lengths) / sum(p for p, _ in lengths)
+    patches, tokens = dm.batch_budgets
+    assert patches == 128 and tokens % 4 == 0 and 128 * ratio <= tokens < 128 * ratio + 4
+    assert f"max_tokens_per_batch='auto' -> {tokens}" in capsys.readouterr().err
+
+    def fills(module) -> tuple[float, float]:
+        """Real over all slots of the epoch's batches: (patches, tokens)."""
+        batches = _batches(module, 0, 1)
+        return tuple(
+            sum(int((segment >= 0).sum()) for segment in segments) / sum(segment.numel() for segment in segments)
+            for segments in ([b.patch_segment for b in batches], [b.token_segment for b in batches])
+        )
+
+    assert min(fills(dm)) > 0.9
+    assert fills(_dm(shards, regroup="pack", max_tokens_per_batch=768))[1] < 0.65  # twice the data's need
+    assert dm.regroup_config()["max_tokens_per_batch"] == tokens  # the fingerprint holds the resolved budget
+    # the other way round, and at least one largest sample per row
+    dm = _dm(shards, regroup="pack", max_patches_per_batch="auto", max_tokens_per_batch=48 * 4)
+    assert dm.batch_budgets[0] == 16 * 4  # (the data's ratio would give fewer than max_patches_per_image per row)
+    with pytest.raises(ValueError, match="both 'auto'"):
+        _dm(shards, max_patches_per_batch="auto", max_tokens_per_batch="auto")
+    with pytest.raises(ValueError, match="max_tokens_per_batch must be an integer or 'auto', got 'max'"):
+        _dm(shards, max_tokens_per_batch="max")
 
 
 # ------------------------------------------------------------------------------ data-parallel balance
