@@ -47,6 +47,7 @@ import logging
 import math
 import random
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -126,6 +127,9 @@ class EpochPlan:
     """Samples of the previous epoch's short batch planned again in this one (``carry_remainder=True``)."""
     carried_out: int = 0
     """Samples of this epoch's short batch carried into the next epoch (``carry_remainder=True``): not dropped."""
+    patch_caps: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Record index -> patch cap per image, for the samples a step curriculum plans under a cap other than the
+    epoch's (``curriculum_unit="step"``); every other sample is patchified under the epoch's cap."""
 
     @property
     def dropped_samples(self) -> int:
@@ -136,6 +140,16 @@ class EpochPlan:
     def dealt_out_samples(self) -> int:
         """Samples of the batches that would not give every data-parallel rank a step (``epoch_policy="drop"``)."""
         return self.planned_samples - self.used_samples - self.short_batch_samples
+
+
+def _cap_at(schedule: dict[int, int], position: int, default: int) -> int:
+    """The cap of the schedule's last entry starting at or before ``position`` (an epoch or a step), else
+    ``default``."""
+    cap = default
+    for start, value in sorted(schedule.items()):
+        if position >= start:
+            cap = value
+    return cap
 
 
 def _stand_in(index: int, num_patches: int, num_tokens: int) -> PatchedSample:
@@ -304,45 +318,57 @@ class _PlannedSplit(IterableDataset):
         self.resumed_global: int | None = None
         self.resumed_world: int | None = None
         self.cost = owner.cost_coefficients
-        self._plans: dict[tuple[int, int | None, int | None], EpochPlan] = {}
+        self.start_step = 0
+        self._plans: dict[tuple[int, int | None, int | None, int], EpochPlan] = {}
         self._short: dict[int, list[int]] = {}  # epoch -> record indices of its short batch (carry_remainder)
+        self._lengths_by_cap: dict[int, list[tuple[int, int]]] = {self.config["max_patches_per_image"]: lengths}
 
     # ----------------------------------------------------------------------------------- planning
 
     def set_epoch(
-        self, epoch: int, skip: int = 0, resumed_global: int | None = None, resumed_world: int | None = None
+        self,
+        epoch: int,
+        skip: int = 0,
+        resumed_global: int | None = None,
+        resumed_world: int | None = None,
+        start_step: int = 0,
     ) -> None:
         """``skip``: this rank's batches of the epoch consumed before a checkpoint (Lightning's count, restored with
         its loops); ``resumed_global``: the *global* batches consumed by then, by however many ranks;
-        ``resumed_world``: that many data-parallel ranks (the balanced dealing depends on it; None: this run's)."""
+        ``resumed_world``: that many data-parallel ranks (the balanced dealing depends on it; None: this run's);
+        ``start_step``: training steps (batches per data-parallel rank) before the epoch, for a step curriculum."""
         self.epoch, self.skip, self.resumed_global, self.resumed_world = epoch, skip, resumed_global, resumed_world
+        self.start_step = start_step
 
     def plan(self, epoch: int) -> EpochPlan:
         resumed = self.resumed_global if epoch == self.epoch else None
-        key = (epoch, resumed, self.resumed_world if resumed is not None else None)
+        key = (epoch, resumed, self.resumed_world if resumed is not None else None, self.start_step)
         if key not in self._plans:
-            self._plans = {key: self._make_plan(epoch, *key[1:])}  # keep one: plans of big datasets are big
+            self._plans = {key: self._make_plan(*key)}  # keep one: plans of big datasets are big
         return self._plans[key]
 
-    def max_patches_per_image(self, epoch: int) -> int:
-        """The patch cap of ``epoch``: the curriculum's last entry starting at or before it, else the DataModule's."""
-        cap = self.config["max_patches_per_image"]
-        for start, value in sorted(self.config.get("curriculum", {}).items()):
-            if epoch >= start:
-                cap = value
-        return cap
+    @property
+    def step_curriculum(self) -> dict[int, int]:
+        """``{start_step: cap}`` with ``curriculum_unit="step"``, else empty."""
+        return self.config.get("curriculum", {}) if self.config.get("curriculum_unit") == "step" else {}
 
-    def epoch_lengths(self, epoch: int) -> list[tuple[int, int]]:
-        """``(patches, tokens)`` of every record under ``epoch``'s patch cap (indexing computed them for the full
-        cap; the image sizes in the records give the rest)."""
-        cap = self.max_patches_per_image(epoch)
-        if cap == self.config["max_patches_per_image"]:
-            return self.lengths
-        patch = self.config["patch_size"]
-        return [
-            (math.prod(patch_grid(r.height, r.width, patch, cap)) if r.image_key is not None else 0, tokens)
-            for r, (_, tokens) in zip(self.records, self.lengths, strict=True)
-        ]
+    def max_patches_per_image(self, epoch: int) -> int:
+        """The patch cap of ``epoch``: the curriculum's last entry starting at or before it (``curriculum_unit=
+        "epoch"``), else the DataModule's."""
+        if self.step_curriculum:
+            return self.config["max_patches_per_image"]
+        return _cap_at(self.config.get("curriculum", {}), epoch, self.config["max_patches_per_image"])
+
+    def lengths_under(self, cap: int) -> list[tuple[int, int]]:
+        """``(patches, tokens)`` of every record under a patch cap per image (indexing computed them for the full
+        cap; the image sizes in the records give the rest). Kept per cap: a curriculum has a few."""
+        if cap not in self._lengths_by_cap:
+            patch = self.config["patch_size"]
+            self._lengths_by_cap[cap] = [
+                (math.prod(patch_grid(r.height, r.width, patch, cap)) if r.image_key is not None else 0, tokens)
+                for r, (_, tokens) in zip(self.records, self.lengths, strict=True)
+            ]
+        return self._lengths_by_cap[cap]
 
     def carried_into(self, epoch: int) -> list[int]:
         """Record indices of the previous epoch's short batch, planned again in ``epoch`` (``carry_remainder``).
@@ -358,9 +384,18 @@ class _PlannedSplit(IterableDataset):
                 self._global_batches(previous)
         return self._short[epoch - 1]
 
-    def _global_batches(self, epoch: int) -> tuple[list[Batch], list[int], list[int]]:
-        """The epoch's global batch list (whatever the number of ranks), the record indices regrouping left out (the
-        last, short batch; empty when it is kept) and the record indices carried in from the previous epoch."""
+    def _global_batches(
+        self, epoch: int, start_step: int = 0, plan_world: int = 1
+    ) -> tuple[list[Batch], list[int], list[int], list[tuple[int, int]], dict[int, int]]:
+        """The epoch's global batch list, the record indices regrouping left out (the last, short batch; empty when it
+        is kept), the record indices carried in from the previous epoch, ``(patches, tokens)`` of every record as
+        planned, and the record indices a step curriculum planned under a cap other than the epoch's, with it.
+
+        The list does not depend on the number of ranks, except under a step curriculum: there global batch ``b``
+        is trained at step ``start_step + b // plan_world`` (round-robin), and a sample takes the schedule's cap of
+        the step the regrouping has reached when the sample enters its buffer (so the switch to a new cap spreads
+        over about one buffer's worth of batches). A resume replans with the checkpoint's ``plan_world``.
+        """
         cfg = self.config
         order = list(range(len(self.records)))
         # String seeds hash with SHA-512 in random.Random: the same plan in every process.
@@ -373,8 +408,26 @@ class _PlannedSplit(IterableDataset):
             # to its end, so the two are not packed into one batch (a caption's duplicate is a false negative).
             again = set(carried)
             order = carried + [i for i in order if i not in again] + [i for i in order if i in again]
-        lengths = self.epoch_lengths(epoch)
-        samples = (_stand_in(i, *lengths[i]) for i in order)
+        full_cap = self.max_patches_per_image(epoch)
+        lengths = self.lengths_under(full_cap)
+        schedule, caps, emitted = self.step_curriculum, {}, [0]  # emitted[0]: global batches regrouped so far
+
+        def step_cap(batch_index: int) -> int:
+            return _cap_at(schedule, start_step + batch_index // plan_world, full_cap)
+
+        def stand_ins() -> Iterator[PatchedSample]:
+            for i in order:
+                cap = step_cap(emitted[0]) if schedule else full_cap
+                if cap != full_cap:
+                    caps[i] = cap
+                yield _stand_in(i, *self.lengths_under(cap)[i])
+
+        def counted(batches: Iterator[Any]) -> Iterator[Any]:
+            for batch in batches:
+                yield batch
+                emitted[0] += 1
+
+        samples = stand_ins()
         # Validation keeps the last, short batch (every pair scored); training keeps shapes and sizes.
         partial = cfg.get("partial_last_batch", False)
         short: list[int] = []
@@ -383,37 +436,50 @@ class _PlannedSplit(IterableDataset):
             batches = [[[i] for i in order[s : s + size]] for s in range(0, len(order), size)]
             if not partial and batches and len(batches[-1]) < size:
                 short = [row[0] for row in batches.pop()]
+            if schedule:  # (fixed-size batches: the caps do not change the batching)
+                caps = {i: step_cap(b) for b, batch in enumerate(batches) for [i] in batch if step_cap(b) != full_cap}
         elif cfg["regroup"] == "bucket":
             batches = [
                 [[s.sample_id] for s in batch]
-                for batch in bucket_batches(
-                    samples, cfg["max_patches_per_batch"], cfg["max_tokens_per_batch"], cfg["buffer_size"], rng
+                for batch in counted(
+                    bucket_batches(
+                        samples, cfg["max_patches_per_batch"], cfg["max_tokens_per_batch"], cfg["buffer_size"], rng
+                    )
                 )
             ]
         else:
             batches = [
                 [[s.sample_id for s in row] for row in batch]
-                for batch in pack_rows(
-                    samples,
-                    cfg["max_patches_per_row"],
-                    cfg["max_tokens_per_row"],
-                    cfg["rows_per_batch"],
-                    cfg["buffer_size"],
-                    rng,
-                    partial=True,  # the last, short batch is yielded: it is either kept or its samples counted
-                    fit=cfg["pack_fit"],
+                for batch in counted(
+                    pack_rows(
+                        samples,
+                        cfg["max_patches_per_row"],
+                        cfg["max_tokens_per_row"],
+                        cfg["rows_per_batch"],
+                        cfg["buffer_size"],
+                        rng,
+                        partial=True,  # the last, short batch is yielded: it is either kept or its samples counted
+                        fit=cfg["pack_fit"],
+                    )
                 )
             ]
             if not partial and batches and len(batches[-1]) < cfg["rows_per_batch"]:
                 short = [i for row in batches.pop() for i in row]
         if cfg.get("carry_remainder"):
             self._short[epoch] = short
-        return batches, short, carried
+        if caps:
+            lengths = list(lengths)
+            for i, cap in caps.items():
+                lengths[i] = self.lengths_under(cap)[i]
+        return batches, short, carried, lengths, caps
 
-    def _make_plan(self, epoch: int, resumed_global: int | None = None, resumed_world: int | None = None) -> EpochPlan:
+    def _make_plan(
+        self, epoch: int, resumed_global: int | None = None, resumed_world: int | None = None, start_step: int = 0
+    ) -> EpochPlan:
         cfg = self.config
-        batches, short, carried = self._global_batches(epoch)
-        lengths = self.epoch_lengths(epoch)
+        # (a step curriculum plans with the data-parallel size the epoch started with: a resume replans the same)
+        plan_world = resumed_world if resumed_global is not None and resumed_world else self.world
+        batches, short, carried, lengths, caps = self._global_batches(epoch, start_step, plan_world)
         segments = max((len(row) for batch in batches for row in batch), default=1)
         # The global batch list does not depend on the number of ranks; only the dealing does. A resumed epoch deals
         # what the checkpoint had not consumed (global batches `done:`) to the ranks of *this* run, so a checkpoint
@@ -436,6 +502,7 @@ class _PlannedSplit(IterableDataset):
             short_batch_samples=len(short),
             carried_in=len(carried),
             carried_out=len(short) if cfg.get("carry_remainder") else 0,
+            patch_caps=caps,
         )
 
     def __len__(self) -> int:
@@ -451,7 +518,7 @@ class _PlannedSplit(IterableDataset):
         plan = self.plan(self.epoch)
         errors = ErrorLog(self.on_error)
         for position in range(self.skip + worker, len(plan.batches), workers):
-            batch = self._load(plan.batches[position], plan.max_segments_per_row, errors)
+            batch = self._load(plan.batches[position], plan.max_segments_per_row, errors, plan.patch_caps)
             # Counts travel with the batch to the main process (read in on_before_batch_transfer).
             batch.data_errors = {kind: count for kind, count in errors.counts.items() if count}
             batch.data_error_examples = dict(errors.examples)
@@ -459,7 +526,7 @@ class _PlannedSplit(IterableDataset):
             errors.counts = dict.fromkeys(errors.counts, 0)
             yield batch
 
-    def _load_sample(self, index: int, errors: ErrorLog) -> PatchedSample | None:
+    def _load_sample(self, index: int, errors: ErrorLog, cap: int) -> PatchedSample | None:
         record = self.records[index]
         cfg = self.config
         files = read_sample_files(record)
@@ -469,14 +536,18 @@ class _PlannedSplit(IterableDataset):
             image = load_rgb_image(files[record.image_key], record.url, record.key, errors, self.max_image_pixels)
             if image is None:  # corrupt body behind a valid header: skipped and counted
                 return None
-            patches, positions = patchify(image, cfg["patch_size"], self.max_patches_per_image(self.epoch))
+            patches, positions = patchify(image, cfg["patch_size"], cap)
         tokens = self.tokenizer.encode(record.caption, cfg["max_text_tokens"])
         return PatchedSample(index, patches, positions, tokens)
 
-    def _load(self, rows: list[list[int]], segments: int, errors: ErrorLog) -> MultimodalBatch:
-        """Load and collate one planned batch; no rows (an ``epoch_policy="pad"`` filler) gives an empty batch."""
+    def _load(self, rows: list[list[int]], segments: int, errors: ErrorLog, caps: dict[int, int]) -> MultimodalBatch:
+        """Load and collate one planned batch; no rows (an ``epoch_policy="pad"`` filler) gives an empty batch.
+        ``caps``: :attr:`EpochPlan.patch_caps`."""
         cfg = self.config
-        loaded = [[s for s in (self._load_sample(i, errors) for i in row) if s is not None] for row in rows]
+        cap = self.max_patches_per_image(self.epoch)
+        loaded = [
+            [s for s in (self._load_sample(i, errors, caps.get(i, cap)) for i in row) if s is not None] for row in rows
+        ]
         loaded = [row for row in loaded if row]
         if cfg["regroup"] == "pack":
             if not loaded:
@@ -603,6 +674,14 @@ class ImageTextWebDataModule(L.LightningDataModule):
             ``{0: 16, 2: 64}``: images are patchified under a cap of 16 patches in epochs 0-1 (smaller images, more
             pairs per packed batch) and 64 from epoch 2; the plan of an epoch follows its cap, so a resume is exact.
             Caps must not exceed ``max_patches_per_image`` (what the model is built for).
+        curriculum_unit: what the ``curriculum`` keys count: ``epoch`` (default) or ``step``, training steps from the
+            start of the run (batches per data-parallel rank: optimizer steps without gradient accumulation), for
+            runs of one or a few long epochs. The plan gives each sample the cap of the step the regrouping has
+            reached when the sample enters its buffer, so a new cap takes over within about one buffer's worth of
+            batches after its step; the caps are part of the plan (a pure function of seed, epoch, the epoch's first
+            step and data-parallel size), so a resume, also on another number of ranks, is exact. Each epoch prints
+            how many samples its plan takes under each cap. Not with ``carry_remainder`` (carrying replans earlier
+            epochs, whose first steps a resumed run does not know).
         filters: quality filters for the training split (:mod:`lightning_mm.datamodules.filters`), e.g.
             ``{"min_image_side": 64, "max_aspect_ratio": 3, "min_caption_tokens": 3, "min_similarity": 0.28,
             "deduplicate": True}``; each dropped sample is counted by kind and printed after indexing.
@@ -659,6 +738,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         allow_replan: bool = False,
         filters: dict[str, Any] | None = None,
         curriculum: dict[int, int] | None = None,
+        curriculum_unit: Literal["epoch", "step"] = "epoch",
         balance: bool = False,
         balance_cost: str | dict[str, Any] = "1b",
         carry_remainder: bool = False,
@@ -666,9 +746,16 @@ class ImageTextWebDataModule(L.LightningDataModule):
         super().__init__()
         check_image_pixels(max_image_pixels)
         self._filters = QualityFilters.from_options(filters)
+        if curriculum_unit not in ("epoch", "step"):
+            raise ValueError(f"curriculum_unit must be 'epoch' or 'step', got {curriculum_unit!r}")
+        if curriculum and curriculum_unit == "step" and carry_remainder:
+            raise ValueError(
+                "curriculum_unit='step' with carry_remainder=True is not supported: carrying replans the previous "
+                "epochs, whose first steps a resumed run does not know; use one of the two"
+            )
         for start, cap in (curriculum or {}).items():
             if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise ValueError(f"curriculum: keys are start epochs (integers >= 0), got {start!r}")
+                raise ValueError(f"curriculum: keys are start {curriculum_unit}s (integers >= 0), got {start!r}")
             if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= max_patches_per_image:
                 raise ValueError(
                     f"curriculum[{start}] = {cap!r}: a patch cap per image must be an integer in "
@@ -731,7 +818,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._passes: dict[str, dict[str, Any]] = {}
         self._tokenizer: TextTokenizer | None = None
         self._splits: dict[str, tuple[list[SampleRecord], list[tuple[int, int]]]] = {}
-        self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0}
+        self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0, "start_step": 0}
+        self._steps_done = 0  # training batches this rank consumed over the run (the step curriculum's clock)
         self._resume: dict[str, int] | None = None
         self._resume_world: int | None = None
         self._budgets: tuple[int, int] | None = None
@@ -787,6 +875,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             # (only when set: a checkpoint from before the filters existed keeps its fingerprint)
             **({"filters": self._filters.as_dict()} if self._filters.active else {}),
             **({"curriculum": dict(sorted(hp.curriculum.items()))} if hp.curriculum else {}),
+            **({"curriculum_unit": "step"} if hp.curriculum and hp.curriculum_unit == "step" else {}),
             # (only when set, as above: the balanced dealing orders the epoch by these costs)
             **({"balance": True, "balance_cost": self.cost_coefficients.as_dict()} if hp.balance else {}),
             # The packing algorithm makes the plan: a checkpoint of an older one counts batches of another plan.
@@ -1004,11 +1093,12 @@ class ImageTextWebDataModule(L.LightningDataModule):
         if split == "val":
             dataset.config = {**dataset.config, "epoch_policy": "pad", "partial_last_batch": True}
             dataset.config.pop("curriculum", None)  # validation is always scored at full resolution
+            dataset.config.pop("curriculum_unit", None)
             dataset.config.pop("balance", None)  # (round-robin: each pair scored once either way)
             dataset.config.pop("carry_remainder", None)  # (nothing is left out: the last short batch is kept)
             if self.hparams.regroup == "none" and self.hparams.val_batch_size:
                 dataset.config["batch_size"] = self.hparams.val_batch_size
-        if len(dataset.plan(0).batches) == 0:
+        if len(dataset.plan(dataset.epoch).batches) == 0:
             raise ValueError(
                 f"{split}: {len(records)} samples give no batch for each of {world} data-parallel "
                 f"rank(s); lower batch_size / the budgets, or use fewer ranks"
@@ -1021,8 +1111,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             if split == "train" and self.hparams.curriculum and self._global_rank() == 0:
                 if epoch != self._curriculum_printed:  # (Lightning may start a pass's iterator twice)
                     self._curriculum_printed = epoch
-                    cap = dataset.max_patches_per_image(epoch)
-                    _print(f"data (train, epoch {epoch}): curriculum: max_patches_per_image {cap}")
+                    _print(self._describe_curriculum(dataset, epoch))
             return state
 
         return EpochAwareLoader(
@@ -1033,27 +1122,62 @@ class ImageTextWebDataModule(L.LightningDataModule):
             on_exhausted=lambda: self._end_pass(split, dataset),
         )
 
-    def _train_position(self) -> tuple[int, int, int | None, int | None]:
+    def _describe_curriculum(self, dataset: _PlannedSplit, epoch: int) -> str:
+        """The curriculum line printed at the start of a training epoch."""
+        if not dataset.step_curriculum:
+            return (
+                f"data (train, epoch {epoch}): curriculum: max_patches_per_image {dataset.max_patches_per_image(epoch)}"
+            )
+        plan = dataset.plan(epoch)
+        counts = Counter(plan.patch_caps.get(i, self.max_patches_per_image) for b in plan.batches for r in b for i in r)
+        return (
+            f"data (train, epoch {epoch}): curriculum by step: this rank's {len(plan.batches)} batches (steps "
+            f"{dataset.start_step}-{dataset.start_step + len(plan.batches) - 1}) hold "
+            + ", ".join(f"{counts[cap]} samples under max_patches_per_image {cap}" for cap in sorted(counts))
+        )
+
+    def _train_position(self) -> tuple[int, int, int | None, int | None, int]:
         """``dataset.set_epoch`` arguments of the training epoch now: the epoch, this rank's batches consumed before a
-        checkpoint of it, the global batches consumed, their data-parallel size (None, None without a resume).
-        Reads only: Lightning also builds the loader before the loops are restored (to estimate the stepping
-        batches), when the current epoch is not yet the checkpoint's."""
+        checkpoint of it, the global batches consumed, their data-parallel size (None, None without a resume), and
+        the training steps before the epoch. Reads only: Lightning also builds the loader before the loops are
+        restored (to estimate the stepping batches), when the current epoch is not yet the checkpoint's."""
         epoch = self._current_epoch()
         if self._resume is None or self._resume["epoch"] != epoch:
-            return epoch, 0, None, None
-        return epoch, self._resume["batches"], self._resume["global_batches"], self._resume_world
+            # (a new epoch: every step so far was before it; on resume, the checkpoint's count of them)
+            counted = self._batches_lightning_counts_done()
+            if counted:  # positions Lightning believes done: skipped, nothing of the plan consumed
+                return epoch, counted, 0, None, self._steps_done
+            return epoch, 0, None, None, self._steps_done
+        resume = self._resume
+        return epoch, resume["batches"], resume["global_batches"], self._resume_world, resume["start_step"]
 
-    def _train_epoch_and_skip(self) -> tuple[int, int, int | None, int | None]:
+    def _batches_lightning_counts_done(self) -> int:
+        """Batches of the epoch starting now that Lightning's restored loop already counts as done.
+
+        Zero, except after a resume from a checkpoint saved at the last training batch of an epoch (e.g. by
+        ``ModelCheckpoint(every_n_train_steps=...)`` on an epoch boundary): Lightning then starts the next epoch but
+        keeps the restored batch count, unless it is at least the *new* loader's length (``_TrainingEpochLoop.reset``,
+        https://github.com/Lightning-AI/pytorch-lightning/blob/2.6.0/src/lightning/pytorch/loops/training_epoch_loop.py
+        ), which assumes every epoch is as long as the last. A longer next epoch would then train only the
+        difference, silently. The loader counts that many positions as done (never loaded) instead, so the whole plan
+        follows them. Read from Lightning's loop state: there is no public hook for it.
+        """
+        loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is None or not getattr(loop, "restarting", False):
+            return 0
+        return int(loop.batch_progress.current.ready)
+
+    def _train_epoch_and_skip(self) -> tuple[int, int, int | None, int | None, int]:
         """Epoch to plan and batches to skip, asked each time the train loader is iterated.
 
         Idempotent within an epoch (Lightning may create the iterator more than once before the first
         batch): the resume point holds until a later epoch starts.
         """
         position = self._train_position()
-        epoch, skip, done, _ = position
+        epoch, skip, done, _, start_step = position
         if done is None:
             self._resume = None
-        self._consumed = {"epoch": epoch, "batches": skip, "global_batches": done or 0}
+        self._consumed = {"epoch": epoch, "batches": skip, "global_batches": done or 0, "start_step": start_step}
         return position
 
     def _check_epoch_lengths(self, length: int) -> None:
@@ -1097,6 +1221,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         # (error counts were merged when the batch was fetched: EpochAwareLoader's on_batch)
         if self.trainer is not None and self.trainer.training:
             self._consumed["batches"] += 1  # this rank's (Lightning's count)
+            self._steps_done += 1
             self._consumed["global_batches"] += self._data_parallel_rank_and_size()[1]  # one per data-parallel rank
             self.last_step_balance = getattr(batch, "step_balance", None)
         return batch
@@ -1109,6 +1234,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
             "epoch": self._consumed["epoch"],
             "batches": self._consumed["batches"],
             "global_batches": self._consumed["global_batches"],
+            "epoch_start_step": self._consumed["start_step"],
+            "steps": self._steps_done,
             "data_parallel_size": self._data_parallel_rank_and_size()[1],
             "seed": self.hparams.seed,
             "errors": dict(self.error_log.counts),
@@ -1128,7 +1255,15 @@ class ImageTextWebDataModule(L.LightningDataModule):
             "data_parallel_size", self._data_parallel_rank_and_size()[1]
         )
         done = int(state_dict.get("global_batches", batches * int(saved_world)))
-        self._resume = {"epoch": int(state_dict["epoch"]), "batches": batches, "global_batches": done}
+        # (checkpoints from before the step count: the epoch's own batches; only a step curriculum reads it)
+        start_step = int(state_dict.get("epoch_start_step", 0))
+        self._resume = {
+            "epoch": int(state_dict["epoch"]),
+            "batches": batches,
+            "global_batches": done,
+            "start_step": start_step,
+        }
+        self._steps_done = int(state_dict.get("steps", start_step + batches))
         self._resume_world = int(saved_world)  # the ranks the consumed batches were dealt to (balance=True)
         if saved is not None:
             now = self._fingerprint()
@@ -1156,5 +1291,6 @@ class ImageTextWebDataModule(L.LightningDataModule):
                     self._resume["epoch"],
                 )
                 self._resume["batches"] = self._resume["global_batches"] = 0
+                self._resume["start_step"] = self._steps_done  # (the restarted epoch's steps come after those done)
         self.error_log.counts = dict.fromkeys(self.error_log.counts, 0)
         self.error_log.merge(state_dict.get("errors", {}))

@@ -7,8 +7,6 @@ exactly once and are exactly the samples of the epoch's usable batches (the prin
 
 from __future__ import annotations
 
-import functools
-
 import lightning as L
 import pytest
 import torch
@@ -47,8 +45,10 @@ class _Ids(L.Callback):
         self.used = trainer.train_dataloader.dataset.plan(0).used_samples
 
 
-def _datamodule(data_dir: str) -> ImageTextWebDataModule:
+def _datamodule(data_dir: str, curriculum: dict[int, int] | None) -> ImageTextWebDataModule:
     return ImageTextWebDataModule(
+        curriculum=curriculum,
+        curriculum_unit="step",
         data_dir=data_dir,
         regroup="pack",
         rows_per_batch=2,
@@ -60,7 +60,7 @@ def _datamodule(data_dir: str) -> ImageTextWebDataModule:
     )
 
 
-def _fit(rank: int, world: int, data_dir: str, root: str, resume: bool) -> dict:
+def _fit(rank: int, world: int, data_dir: str, root: str, resume: bool, curriculum: dict[int, int] | None) -> dict:
     L.seed_everything(0, verbose=False)
     ids = _Ids()
     callbacks = [ids] if resume else [ids, ModelCheckpoint(dirpath=root, every_n_train_steps=SAVE_AT, save_top_k=-1)]
@@ -79,21 +79,30 @@ def _fit(rank: int, world: int, data_dir: str, root: str, resume: bool) -> dict:
         callbacks=callbacks,
     )
     checkpoint = f"{root}/epoch=0-step={SAVE_AT}.ckpt" if resume else None
-    trainer.fit(_Tiny(), datamodule=_datamodule(data_dir), ckpt_path=checkpoint)
+    trainer.fit(_Tiny(), datamodule=_datamodule(data_dir, curriculum), ckpt_path=checkpoint)
     return {"ids": ids.ids, "steps": trainer.global_step, "used": ids.used}
 
 
-@functools.cache
-def _epoch(before: int, after: int, root: str) -> tuple[list[dict], list[dict]]:
+def _epoch(before: int, after: int, root: str, curriculum: dict[int, int] | None) -> tuple[list[dict], list[dict]]:
     data_dir = str(ensure_synthetic_shards("tiny"))
-    first = run_distributed(_fit, before, data_dir, root, False, timeout=300)
-    second = run_distributed(_fit, after, data_dir, root, True, timeout=300)
+    first = run_distributed(_fit, before, data_dir, root, False, curriculum, timeout=300)
+    second = run_distributed(_fit, after, data_dir, root, True, curriculum, timeout=300)
     return first, second
 
 
-@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4), (4, 3)])
-def test_mid_epoch_checkpoint_resumes_on_another_number_of_ranks(before, after, tmp_path):
-    first, second = _epoch(before, after, str(tmp_path))
+@pytest.mark.parametrize(
+    ("before", "after", "curriculum"),
+    [
+        (4, 2, None),
+        (2, 4, None),
+        (4, 3, None),
+        # a step curriculum plans with the data-parallel size the epoch started with: the resumed run replans the
+        # same global batches (the cap rises at step 2, inside the part the resumed run trains)
+        pytest.param(4, 2, {0: 4, 2: 16}, id="4-2-step-curriculum"),
+    ],
+)
+def test_mid_epoch_checkpoint_resumes_on_another_number_of_ranks(before, after, curriculum, tmp_path):
+    first, second = _epoch(before, after, str(tmp_path), curriculum)
     assert all(r["steps"] == SAVE_AT for r in first)
     resumed_steps = {r["steps"] for r in second}
     assert len(resumed_steps) == 1 and resumed_steps.pop() > SAVE_AT  # equal steps on the new ranks

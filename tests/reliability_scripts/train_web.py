@@ -128,6 +128,7 @@ def main() -> None:
         limit_val_batches=0,
         callbacks=callbacks,
         default_root_dir=args.out,
+        reload_dataloaders_every_n_epochs=1,  # (each epoch's plan has its own batch count)
     )
     trainer.fit(model, datamodule=data, ckpt_path="last")
 

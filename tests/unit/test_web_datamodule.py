@@ -15,6 +15,7 @@ import webdataset as wds
 from lightning_mm.datamodules.synthetic import ensure_synthetic_shards, render_sample
 from lightning_mm.datamodules.web import ImageTextWebDataModule
 from lightning_mm.models import VLMModule
+from tests.helpers import quiet_trainer
 
 SHARD_SIZES = (3, 17, 40, 9, 25)  # uneven on purpose
 
@@ -185,10 +186,10 @@ def test_resume_with_other_shards_or_plan_is_refused_or_replanned(shards):
     on_two_ranks = _dm(shards)
     _batches(on_two_ranks, 0, 2)  # attaches a trainer reporting 2 data-parallel ranks
     on_two_ranks.load_state_dict({**state, "batches": 3, "global_batches": 12})  # another number of ranks: fine
-    assert on_two_ranks._resume == {"epoch": 0, "batches": 3, "global_batches": 12}
+    assert on_two_ranks._resume == {"epoch": 0, "batches": 3, "global_batches": 12, "start_step": 0}
     replanned = _dm(shards, rows_per_batch=2, allow_replan=True)
-    replanned.load_state_dict({**state, "batches": 3})
-    assert replanned._resume == {"epoch": 0, "batches": 0, "global_batches": 0}
+    replanned.load_state_dict({**state, "batches": 3, "steps": 3})
+    assert replanned._resume == {"epoch": 0, "batches": 0, "global_batches": 0, "start_step": 3}
 
 
 @pytest.mark.parametrize("regroup", ["none", "pack"])
@@ -235,14 +236,16 @@ def test_argument_errors_name_the_argument(shards):
 class _SampleRecorder(L.Callback):
     def __init__(self) -> None:
         self.ids: list[list[int]] = []
+        self.patches: list[dict[int, int]] = []  # per batch: sample id -> its patches
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.ids.append(batch.sample_ids.flatten().tolist())
+        self.patches.append(_patches_per_sample(batch))
 
 
-def _fit(shards, tmp_path, max_steps, ckpt_path=None, workers=0, save_every=None):
+def _fit(shards, tmp_path, max_steps, ckpt_path=None, workers=0, save_every=None, recorder=None, **settings):
     L.seed_everything(0, verbose=False)
-    recorder = _SampleRecorder()
+    recorder = recorder or _SampleRecorder()
     callbacks = [recorder]
     if save_every:
         callbacks.append(
@@ -263,10 +266,33 @@ def _fit(shards, tmp_path, max_steps, ckpt_path=None, workers=0, save_every=None
         default_root_dir=tmp_path,
         reload_dataloaders_every_n_epochs=1,  # (each epoch's plan has its own batch count)
     )
-    dm = _dm(shards, regroup="pack", num_workers=workers)
+    dm = _dm(shards, **{"regroup": "pack", "num_workers": workers, **settings})
     model = VLMModule(preset="tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=16)
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return recorder.ids
+
+
+@pytest.mark.parametrize("resume_at", [1, 2, 3])
+def test_step_curriculum_resumes_exactly_across_epochs(shards, tmp_path, resume_at):
+    """A step schedule whose switch falls in the second epoch: that epoch plans from the steps before it (the first
+    epoch's length, 2 batches here), and a run resumed from step 1 (mid-epoch), 2 (the first epoch's last batch) or 3
+    (mid-way through the second) replays the same samples at the same resolution.
+
+    Step 2 is Lightning's epoch-boundary case: it starts the next epoch but keeps the restored batch count (2) unless
+    the new loader is no longer than that, so the 3-batch second epoch trained one batch and moved on, silently,
+    until the loader counted those positions as done (``_batches_lightning_counts_done``)."""
+    settings = dict(max_tokens_per_batch=768, curriculum_unit="step")
+    steps_per_epoch = len(_batches(_dm(shards, regroup="pack", curriculum={0: 4}, **settings), 0, 1))
+    assert steps_per_epoch == 2
+    settings["curriculum"] = {0: 4, steps_per_epoch + 1: 16}
+    total = steps_per_epoch + 3
+    full, resumed = _SampleRecorder(), _SampleRecorder()
+    _fit(shards, tmp_path / "full", total, save_every=1, recorder=full, **settings)
+    checkpoint = tmp_path / "full" / f"step={resume_at}.ckpt"
+    _fit(shards, tmp_path / "resumed", total, checkpoint, recorder=resumed, **settings)
+    assert resumed.patches == full.patches[resume_at:] and resumed.ids == full.ids[resume_at:]
+    most = [max(batch.values()) for batch in full.patches]
+    assert max(most[: steps_per_epoch + 1]) <= 4 < most[-1], most  # the cap rose in epoch 1, not before
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -299,18 +325,7 @@ def test_every_epoch_trains_its_whole_plan(shards, tmp_path, capsys):
 
     def fit(**trainer_args) -> Counter[int]:
         counter = _EpochBatchCounter()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_epochs=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            callbacks=[counter],
-            default_root_dir=tmp_path,
-            **trainer_args,
-        )
+        trainer = quiet_trainer(1, "auto", -1, [counter], max_epochs=2, default_root_dir=tmp_path, **trainer_args)
         dm = _dm(shards, **settings)
         model = VLMModule(preset="tiny", vocab_size=dm.vocab_size, patch_size=16, max_patches_per_image=16)
         trainer.fit(model, datamodule=dm)
@@ -406,6 +421,52 @@ def test_curriculum_raises_the_patch_cap_by_epoch(shards, capsys):
     assert dm.regroup_config()["curriculum"] == curriculum  # in the plan fingerprint: a resume checks it
     with pytest.raises(ValueError, match=r"curriculum\[1\] = 32.*max_patches_per_image=16"):
         _dm(shards, curriculum={0: 4, 1: 32})
+
+
+def _patches_per_sample(batch) -> dict[int, int]:
+    """Sample id -> its patches in the batch (``patch_segment`` holds the sample's position in its row)."""
+    found = {}
+    for row in range(batch.num_rows):
+        for position, sample in enumerate(batch.sample_ids[row].tolist()):
+            if sample >= 0:
+                found[sample] = int((batch.patch_segment[row] == position).sum())
+    return found
+
+
+def test_step_curriculum_raises_the_cap_at_its_step(shards, capsys):
+    """``curriculum_unit="step"``: fixed-size batches switch cap exactly at the step (on every rank: global batch
+    ``b`` is step ``b // W``); packed batches once the regrouping reaches it (the buffer's look-ahead); every sample
+    still once; the epoch's counts per cap are printed."""
+    schedule = {0: 4, 6: 16}
+    for world in (1, 2):
+        for rank in range(world):
+            dm = _dm(shards, regroup="none", batch_size=5, curriculum=schedule, curriculum_unit="step")
+            batches = _batches(dm, rank, world)
+            most = [max(_patches_per_sample(b).values()) for b in batches]
+            assert max(most[:6]) == 4 and 4 < max(most[6:]) <= 16, most
+    printed = capsys.readouterr().err
+    assert "curriculum by step: this rank's 9 batches (steps 0-8) hold 30 samples under max_patches_per_image 4, " in (
+        printed
+    )
+
+    dm = _dm(shards, regroup="pack", curriculum={0: 4, 2: 16}, curriculum_unit="step", max_tokens_per_batch=768)
+    batches = _batches(dm, 0, 1)
+    caps = dm.train_dataloader().dataset.plan(0).patch_caps
+    seen = [p for b in batches for p in _patches_per_sample(b).items()]
+    assert len(seen) == len(dict(seen))  # each sample once
+    assert max(_patches_per_sample(batches[0]).values()) <= 4 < max(_patches_per_sample(batches[-1]).values())
+    assert all(patches <= 4 for sample, patches in seen if caps.get(sample) == 4)
+    counts = Counter(caps.get(sample, 16) for sample, _ in seen)
+    assert set(counts) == {4, 16}
+    assert (
+        f"hold {counts[4]} samples under max_patches_per_image 4, {counts[16]} samples under max_patches_per_image 16"
+        in capsys.readouterr().err
+    )
+    assert dm.regroup_config()["curriculum_unit"] == "step"  # in the plan fingerprint
+    with pytest.raises(ValueError, match="curriculum_unit='step' with carry_remainder=True is not supported"):
+        _dm(shards, curriculum=schedule, curriculum_unit="step", carry_remainder=True)
+    with pytest.raises(ValueError, match="curriculum_unit must be 'epoch' or 'step', got 'steps'"):
+        _dm(shards, curriculum=schedule, curriculum_unit="steps")
 
 
 def test_auto_budget_follows_the_data_ratio(shards, capsys):
