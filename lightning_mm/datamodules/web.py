@@ -644,7 +644,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             ``max_patches_per_image`` / ``max_text_tokens``, after the filters), rounded up to whole rows
             (``pack``) and to at least one largest sample per row / batch, and printed. A fixed split wastes the
             budget the data does not fill: on the embedded default data (0.79 caption tokens per image patch) a
-            768 / 768 packed batch leaves 22 % of its token slots as padding, an ``"auto"`` token budget (608)
+            768 / 768 packed batch leaves 22 % of its token slots as padding, an ``"auto"`` token budget (616)
             under 3 %, at the same samples per batch.
         rows_per_batch: rows of a packed batch; each row holds up to ``budget / rows_per_batch``.
         buffer_size: samples regrouped together (bigger: less padding, batches drawn from a wider window).
