@@ -262,6 +262,7 @@ def _train(
     )
     callbacks += [*extra_callbacks, recorder]
     trainer = L.Trainer(
+        reload_dataloaders_every_n_epochs=1,  # (each epoch's plan has its own batch count)
         accelerator="cpu",
         devices=dist.get_world_size(),
         strategy="ddp",

@@ -123,6 +123,7 @@ def _train(name: str, seed: int, args: argparse.Namespace, heldout: list) -> dic
         callbacks.append(ReplicaSync(**sync, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum))
     callbacks.append(recorder)  # last: the method's callback logs its counters before the recorder reads them
     trainer = L.Trainer(
+        reload_dataloaders_every_n_epochs=1,  # (each epoch's plan has its own batch count)
         accelerator="cpu",
         devices=WORLD,
         strategy=HybridParallelStrategy(**degrees),

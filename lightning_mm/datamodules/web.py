@@ -318,8 +318,8 @@ class _PlannedSplit(IterableDataset):
         self.resumed_global: int | None = None
         self.resumed_world: int | None = None
         self.cost = owner.cost_coefficients
-        self.start_step = 0
-        self._plans: dict[tuple[int, int | None, int | None, int], EpochPlan] = {}
+        self.start_step, self.plan_world = 0, None
+        self._plans: dict[tuple[int, int | None, int | None, int, int | None], EpochPlan] = {}
         self._short: dict[int, list[int]] = {}  # epoch -> record indices of its short batch (carry_remainder)
         self._lengths_by_cap: dict[int, list[tuple[int, int]]] = {self.config["max_patches_per_image"]: lengths}
 
@@ -332,17 +332,19 @@ class _PlannedSplit(IterableDataset):
         resumed_global: int | None = None,
         resumed_world: int | None = None,
         start_step: int = 0,
+        plan_world: int | None = None,
     ) -> None:
         """``skip``: this rank's batches of the epoch consumed before a checkpoint (Lightning's count, restored with
         its loops); ``resumed_global``: the *global* batches consumed by then, by however many ranks;
         ``resumed_world``: that many data-parallel ranks (the balanced dealing depends on it; None: this run's);
-        ``start_step``: training steps (batches per data-parallel rank) before the epoch, for a step curriculum."""
+        ``start_step``: training steps (batches per data-parallel rank) before the epoch, and ``plan_world``: the
+        data-parallel size the epoch was first planned with (None: this run's), for a step curriculum."""
         self.epoch, self.skip, self.resumed_global, self.resumed_world = epoch, skip, resumed_global, resumed_world
-        self.start_step = start_step
+        self.start_step, self.plan_world = start_step, plan_world
 
     def plan(self, epoch: int) -> EpochPlan:
         resumed = self.resumed_global if epoch == self.epoch else None
-        key = (epoch, resumed, self.resumed_world if resumed is not None else None, self.start_step)
+        key = (epoch, resumed, self.resumed_world if resumed is not None else None, self.start_step, self.plan_world)
         if key not in self._plans:
             self._plans = {key: self._make_plan(*key)}  # keep one: plans of big datasets are big
         return self._plans[key]
@@ -474,12 +476,16 @@ class _PlannedSplit(IterableDataset):
         return batches, short, carried, lengths, caps
 
     def _make_plan(
-        self, epoch: int, resumed_global: int | None = None, resumed_world: int | None = None, start_step: int = 0
+        self,
+        epoch: int,
+        resumed_global: int | None = None,
+        resumed_world: int | None = None,
+        start_step: int = 0,
+        plan_world: int | None = None,
     ) -> EpochPlan:
         cfg = self.config
         # (a step curriculum plans with the data-parallel size the epoch started with: a resume replans the same)
-        plan_world = resumed_world if resumed_global is not None and resumed_world else self.world
-        batches, short, carried, lengths, caps = self._global_batches(epoch, start_step, plan_world)
+        batches, short, carried, lengths, caps = self._global_batches(epoch, start_step, plan_world or self.world)
         segments = max((len(row) for batch in batches for row in batch), default=1)
         # The global batch list does not depend on the number of ranks; only the dealing does. A resumed epoch deals
         # what the checkpoint had not consumed (global batches `done:`) to the ranks of *this* run, so a checkpoint
@@ -748,6 +754,11 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._filters = QualityFilters.from_options(filters)
         if curriculum_unit not in ("epoch", "step"):
             raise ValueError(f"curriculum_unit must be 'epoch' or 'step', got {curriculum_unit!r}")
+        if curriculum and curriculum_unit == "step" and balance and regroup == "bucket":
+            raise ValueError(
+                "curriculum_unit='step' with balance=True and regroup='bucket' is not supported: the balanced bucket "
+                "dealing reorders the epoch's steps by cost, so a cap planned for a step would be trained at another"
+            )
         if curriculum and curriculum_unit == "step" and carry_remainder:
             raise ValueError(
                 "curriculum_unit='step' with carry_remainder=True is not supported: carrying replans the previous "
@@ -818,7 +829,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._passes: dict[str, dict[str, Any]] = {}
         self._tokenizer: TextTokenizer | None = None
         self._splits: dict[str, tuple[list[SampleRecord], list[tuple[int, int]]]] = {}
-        self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0, "start_step": 0}
+        self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0, "start_step": 0, "plan_world": None}
         self._steps_done = 0  # training batches this rank consumed over the run (the step curriculum's clock)
         self._resume: dict[str, int] | None = None
         self._resume_world: int | None = None
@@ -1111,6 +1122,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             if split == "train" and self.hparams.curriculum and self._global_rank() == 0:
                 if epoch != self._curriculum_printed:  # (Lightning may start a pass's iterator twice)
                     self._curriculum_printed = epoch
+                    dataset.set_epoch(*state)  # (the loader sets it again after this returns: the same plan)
                     _print(self._describe_curriculum(dataset, epoch))
             return state
 
@@ -1136,20 +1148,28 @@ class ImageTextWebDataModule(L.LightningDataModule):
             + ", ".join(f"{counts[cap]} samples under max_patches_per_image {cap}" for cap in sorted(counts))
         )
 
-    def _train_position(self) -> tuple[int, int, int | None, int | None, int]:
+    def _train_position(self) -> tuple[int, int, int | None, int | None, int, int | None]:
         """``dataset.set_epoch`` arguments of the training epoch now: the epoch, this rank's batches consumed before a
         checkpoint of it, the global batches consumed, their data-parallel size (None, None without a resume), and
         the training steps before the epoch. Reads only: Lightning also builds the loader before the loops are
-        restored (to estimate the stepping batches), when the current epoch is not yet the checkpoint's."""
+        restored (to estimate the stepping batches), when the current epoch is not yet the checkpoint's. The last:
+        the data-parallel size the epoch was first planned with (None: this run's)."""
         epoch = self._current_epoch()
         if self._resume is None or self._resume["epoch"] != epoch:
             # (a new epoch: every step so far was before it; on resume, the checkpoint's count of them)
             counted = self._batches_lightning_counts_done()
             if counted:  # positions Lightning believes done: skipped, nothing of the plan consumed
-                return epoch, counted, 0, None, self._steps_done
-            return epoch, 0, None, None, self._steps_done
+                return epoch, counted, 0, None, self._steps_done, None
+            return epoch, 0, None, None, self._steps_done, None
         resume = self._resume
-        return epoch, resume["batches"], resume["global_batches"], self._resume_world, resume["start_step"]
+        return (
+            epoch,
+            resume["batches"],
+            resume["global_batches"],
+            self._resume_world,
+            resume["start_step"],
+            resume["plan_world"],
+        )
 
     def _batches_lightning_counts_done(self) -> int:
         """Batches of the epoch starting now that Lightning's restored loop already counts as done.
@@ -1167,17 +1187,23 @@ class ImageTextWebDataModule(L.LightningDataModule):
             return 0
         return int(loop.batch_progress.current.ready)
 
-    def _train_epoch_and_skip(self) -> tuple[int, int, int | None, int | None, int]:
+    def _train_epoch_and_skip(self) -> tuple[int, int, int | None, int | None, int, int | None]:
         """Epoch to plan and batches to skip, asked each time the train loader is iterated.
 
         Idempotent within an epoch (Lightning may create the iterator more than once before the first
         batch): the resume point holds until a later epoch starts.
         """
         position = self._train_position()
-        epoch, skip, done, _, start_step = position
+        epoch, skip, done, _, start_step, plan_world = position
         if done is None:
             self._resume = None
-        self._consumed = {"epoch": epoch, "batches": skip, "global_batches": done or 0, "start_step": start_step}
+        self._consumed = {
+            "epoch": epoch,
+            "batches": skip,
+            "global_batches": done or 0,
+            "start_step": start_step,
+            "plan_world": plan_world or self._data_parallel_rank_and_size()[1],
+        }
         return position
 
     def _check_epoch_lengths(self, length: int) -> None:
@@ -1191,7 +1217,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
         """
         trainer, hp = self.trainer, self.hparams
         reload = getattr(trainer, "reload_dataloaders_every_n_epochs", 1)
-        if reload == 1 or not (hp.regroup != "none" or hp.carry_remainder):
+        # (fixed-size batches keep their count, unless samples are carried or the epoch resumes on another number
+        # of ranks: its length is then the consumed batches plus this run's share of the rest)
+        resumed_elsewhere = self._resume is not None and self._resume_world != self._data_parallel_rank_and_size()[1]
+        if reload == 1 or not (hp.regroup != "none" or hp.carry_remainder or resumed_elsewhere):
             return
         max_epochs, max_steps = getattr(trainer, "max_epochs", 1), getattr(trainer, "max_steps", -1)
         accumulate = getattr(trainer, "accumulate_grad_batches", 1)
@@ -1235,6 +1264,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             "batches": self._consumed["batches"],
             "global_batches": self._consumed["global_batches"],
             "epoch_start_step": self._consumed["start_step"],
+            "epoch_plan_world": self._consumed["plan_world"] or self._data_parallel_rank_and_size()[1],
             "steps": self._steps_done,
             "data_parallel_size": self._data_parallel_rank_and_size()[1],
             "seed": self.hparams.seed,
@@ -1262,6 +1292,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
             "batches": batches,
             "global_batches": done,
             "start_step": start_step,
+            # the size the epoch was first planned with (a step curriculum's mapping), kept over later resumes
+            "plan_world": int(state_dict.get("epoch_plan_world", saved_world)),
         }
         self._steps_done = int(state_dict.get("steps", start_step + batches))
         self._resume_world = int(saved_world)  # the ranks the consumed batches were dealt to (balance=True)
@@ -1290,7 +1322,11 @@ class ImageTextWebDataModule(L.LightningDataModule):
                     "; ".join(reasons),
                     self._resume["epoch"],
                 )
-                self._resume["batches"] = self._resume["global_batches"] = 0
+                # The epoch restarts with the new plan, by this run's ranks. Lightning still counts the batches it
+                # restored as done: the loader counts that many positions as done too (never loaded), so the whole
+                # new plan follows them.
+                self._resume["global_batches"] = 0
+                self._resume["plan_world"] = None
                 self._resume["start_step"] = self._steps_done  # (the restarted epoch's steps come after those done)
         self.error_log.counts = dict.fromkeys(self.error_log.counts, 0)
         self.error_log.merge(state_dict.get("errors", {}))

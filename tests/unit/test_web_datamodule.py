@@ -186,10 +186,17 @@ def test_resume_with_other_shards_or_plan_is_refused_or_replanned(shards):
     on_two_ranks = _dm(shards)
     _batches(on_two_ranks, 0, 2)  # attaches a trainer reporting 2 data-parallel ranks
     on_two_ranks.load_state_dict({**state, "batches": 3, "global_batches": 12})  # another number of ranks: fine
-    assert on_two_ranks._resume == {"epoch": 0, "batches": 3, "global_batches": 12, "start_step": 0}
+    assert on_two_ranks._resume == {
+        "epoch": 0,
+        "batches": 3,
+        "global_batches": 12,
+        "start_step": 0,
+        "plan_world": 1,  # (the saving run's: the state of a DataModule without a trainer)
+    }
     replanned = _dm(shards, rows_per_batch=2, allow_replan=True)
     replanned.load_state_dict({**state, "batches": 3, "steps": 3})
-    assert replanned._resume == {"epoch": 0, "batches": 0, "global_batches": 0, "start_step": 3}
+    # (the 3 batches Lightning restores as done are counted as done positions; the new plan follows them whole)
+    assert replanned._resume == {"epoch": 0, "batches": 3, "global_batches": 0, "start_step": 3, "plan_world": None}
 
 
 @pytest.mark.parametrize("regroup", ["none", "pack"])
@@ -304,6 +311,72 @@ def test_mid_epoch_resume_replays_exactly(shards, tmp_path, workers):
     assert ckpt.is_file()
     resumed = _fit(shards, tmp_path / "resumed", total, ckpt_path=str(ckpt), workers=workers)
     assert resumed == full[2:]
+
+
+def test_replanned_epoch_trains_its_whole_new_plan(shards, tmp_path):
+    """``allow_replan=True`` restarts the epoch with the new plan: every batch of it is trained after the resume,
+    though Lightning restores 3 batches of the epoch as done (it stopped 3 batches short before)."""
+    _fit(shards, tmp_path / "first", 3, save_every=3)
+    settings = dict(rows_per_batch=2, allow_replan=True)
+    new_plan = _batches(_dm(shards, regroup="pack", **settings), 0, 1)
+    recorder = _SampleRecorder()
+    _fit(
+        shards,
+        tmp_path / "replanned",
+        3 + len(new_plan),
+        tmp_path / "first" / "step=3.ckpt",
+        recorder=recorder,
+        **settings,
+    )
+    assert recorder.ids == [b.sample_ids.flatten().tolist() for b in new_plan]
+
+
+def test_step_curriculum_keeps_the_planning_size_over_resumes(shards):
+    """4 ranks plan an epoch under a step schedule, 2 ranks resume it and checkpoint, 2 ranks resume again: the third
+    run plans with the first run's 4 ranks too (with its own 2 the caps, hence the packing, would differ)."""
+    settings = dict(regroup="pack", curriculum={0: 4, 1: 16}, curriculum_unit="step", rows_per_batch=2)
+    settings.update(max_patches_per_batch=64, max_tokens_per_batch=192)
+    first = _dm(shards, **settings)
+    _batches(first, 0, 4)
+    state = {**first.state_dict(), "batches": 1, "global_batches": 4}
+    second = _dm(shards, **settings)
+    _batches(second, 0, 2)  # (attaches a trainer of 2 data-parallel ranks)
+    second.load_state_dict(state)
+    planned = second.train_dataloader().dataset
+    planned.set_epoch(*second._train_epoch_and_skip())
+    caps = planned.plan(0).patch_caps
+    state = {**second.state_dict(), "batches": 2, "global_batches": 6}
+    assert state["epoch_plan_world"] == 4
+    third = _dm(shards, **settings)
+    _batches(third, 0, 2)
+    third.load_state_dict(state)
+    replanned = third.train_dataloader().dataset
+    replanned.set_epoch(*third._train_epoch_and_skip())
+    assert replanned.plan(0).patch_caps == caps
+    assert caps != _global_caps(shards, settings, plan_world=2)
+
+
+def _global_caps(shards, settings, plan_world: int) -> dict[int, int]:
+    dm = _dm(shards, **settings)
+    _batches(dm, 0, 1)
+    return dm.train_dataloader().dataset._global_batches(0, 0, plan_world)[4]
+
+
+def test_fixed_size_batches_resumed_on_other_ranks_need_reloading(shards):
+    """A resumed epoch dealt to another number of ranks has another length, also with fixed-size batches: Lightning
+    would cut every later epoch to it, so a multi-epoch run without reloading is refused; on as many ranks, not."""
+    for saved_world, refused in ((4, True), (2, False)):
+        dm = _dm(shards, regroup="none")
+        _batches(dm, 0, 2)
+        dm.load_state_dict(
+            {**dm.state_dict(), "batches": 1, "global_batches": saved_world, "data_parallel_size": saved_world}
+        )
+        dm.trainer.reload_dataloaders_every_n_epochs, dm.trainer.max_epochs, dm.trainer.max_steps = 0, 2, -1
+        if refused:
+            with pytest.raises(ValueError, match=r"set Trainer\(reload_dataloaders_every_n_epochs=1\)"):
+                dm.train_dataloader()
+        else:
+            dm.train_dataloader()
 
 
 class _EpochBatchCounter(L.Callback):
@@ -465,6 +538,8 @@ def test_step_curriculum_raises_the_cap_at_its_step(shards, capsys):
     assert dm.regroup_config()["curriculum_unit"] == "step"  # in the plan fingerprint
     with pytest.raises(ValueError, match="curriculum_unit='step' with carry_remainder=True is not supported"):
         _dm(shards, curriculum=schedule, curriculum_unit="step", carry_remainder=True)
+    with pytest.raises(ValueError, match="with balance=True and regroup='bucket' is not supported"):
+        _dm(shards, regroup="bucket", curriculum=schedule, curriculum_unit="step", balance=True)
     with pytest.raises(ValueError, match="curriculum_unit must be 'epoch' or 'step', got 'steps'"):
         _dm(shards, curriculum=schedule, curriculum_unit="steps")
 
