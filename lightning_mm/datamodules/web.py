@@ -439,7 +439,10 @@ class _PlannedSplit(IterableDataset):
             if not partial and batches and len(batches[-1]) < size:
                 short = [row[0] for row in batches.pop()]
             if schedule:  # (fixed-size batches: the caps do not change the batching)
-                caps = {i: step_cap(b) for b, batch in enumerate(batches) for [i] in batch if step_cap(b) != full_cap}
+                by_batch = [step_cap(b) for b in range(len(batches))]
+                caps = {
+                    i: cap for cap, batch in zip(by_batch, batches, strict=True) for [i] in batch if cap != full_cap
+                }
         elif cfg["regroup"] == "bucket":
             batches = [
                 [[s.sample_id] for s in batch]
@@ -1100,7 +1103,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             # only once): the length must be that of the epoch the loader is made for, and a resumed epoch dealt to
             # another number of ranks has another one (the consumed batches plus this run's share of the rest).
             dataset.set_epoch(*self._train_position())
-            self._check_epoch_lengths(len(dataset))
+            self._check_epoch_lengths(len(dataset), dataset.skip)
         if split == "val":
             dataset.config = {**dataset.config, "epoch_policy": "pad", "partial_last_batch": True}
             dataset.config.pop("curriculum", None)  # validation is always scored at full resolution
@@ -1206,14 +1209,15 @@ class ImageTextWebDataModule(L.LightningDataModule):
         }
         return position
 
-    def _check_epoch_lengths(self, length: int) -> None:
+    def _check_epoch_lengths(self, length: int, done: int) -> None:
         """Refuse a run whose later epochs Lightning would cut short.
 
         Lightning reads a training loader's length once, when it builds the loader, and ends every epoch after that
         many batches (``fit_loop.max_batches``) unless ``Trainer(reload_dataloaders_every_n_epochs=1)`` rebuilds
         the loader each epoch. Here the batch count changes from epoch to epoch (``bucket`` / ``pack`` regroup a
         new shuffle; ``carry_remainder`` adds the carried samples; a ``curriculum`` changes the pairs per batch), so
-        a longer later epoch would lose its last batches without a word.
+        a longer later epoch would lose its last batches without a word. ``length``: the loader's batches for this
+        epoch, ``done``: the first ones of them counted as done before this run (a resume).
         """
         trainer, hp = self.trainer, self.hparams
         reload = getattr(trainer, "reload_dataloaders_every_n_epochs", 1)
@@ -1224,7 +1228,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             return
         max_epochs, max_steps = getattr(trainer, "max_epochs", 1), getattr(trainer, "max_steps", -1)
         accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-        if max_epochs == 1 or 0 <= max_steps * accumulate <= length - self._train_position()[1]:
+        if max_epochs == 1 or 0 <= max_steps * accumulate <= length - done:
             return  # (the run ends within this epoch)
         raise ValueError(
             f"ImageTextWebDataModule(regroup={hp.regroup!r}"
