@@ -14,7 +14,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
 
-__all__ = ["EmbeddedDataset", "EpochAwareLoader", "data_parallel_rank_and_size", "expand_urls", "load_manifest"]
+__all__ = [
+    "EmbeddedDataset",
+    "EpochAwareLoader",
+    "ResumableEpochAwareLoader",
+    "data_parallel_rank_and_size",
+    "expand_urls",
+    "load_manifest",
+]
 
 
 def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -> list[str]:
@@ -86,6 +93,13 @@ class EpochAwareLoader(DataLoader):
     none. ``epoch_fn()`` returns the epoch, or a tuple of ``dataset.set_epoch`` arguments; it is applied
     before the workers are started (they receive a copy of the dataset), so each epoch's order differs.
     Persistent workers would keep their first copy, hence they are not offered.
+
+    A pass starts at its first ``next()``, not at ``iter()``: Lightning creates the training iterator when it builds
+    the loader, and it builds the loader *before* restoring a checkpoint whenever something asks for
+    ``trainer.estimated_stepping_batches`` under ``max_epochs`` with a strategy that restores after setup
+    (``HybridParallelStrategy``, ``ModelParallelStrategy``, ``FSDPStrategy``); it then keeps that iterator for the
+    resumed epoch (``_TrainingEpochLoop.on_run_start`` does not call ``iter`` again when restarting). Asking
+    ``epoch_fn`` at the first batch lets the restored data position reach the pass whenever the loader was built.
     """
 
     def __init__(
@@ -101,11 +115,16 @@ class EpochAwareLoader(DataLoader):
         self._on_batch, self._on_exhausted = on_batch, on_exhausted
 
     def __iter__(self):
-        state = self._epoch_fn()
+        return self._pass()
+
+    def _pass(self):
+        state = self._epoch_fn()  # (a generator: runs at the first next(), see the class docstring)
         self.dataset.set_epoch(*(state if isinstance(state, tuple) else (state,)))
+        iterator = super().__iter__()
         if self._on_batch is None and self._on_exhausted is None:
-            return super().__iter__()
-        return self._with_hooks(super().__iter__())
+            yield from iterator
+            return
+        yield from self._with_hooks(iterator)
 
     def _with_hooks(self, iterator):
         # Both run in the main process as batches are fetched: `on_batch` for each one (before Lightning's
@@ -127,3 +146,30 @@ class EpochAwareLoader(DataLoader):
             yield batch
         if not ended and self._on_exhausted is not None:
             self._on_exhausted()
+
+
+class ResumableEpochAwareLoader(EpochAwareLoader):
+    """An :class:`EpochAwareLoader` whose owner restores its data position mid-epoch.
+
+    It speaks Lightning's stateful-loader protocol (``state_dict`` / ``load_state_dict``), so Lightning saves the
+    position with its loops and no longer warns that the loader "is not resumable" (that warning then fires only
+    for loaders that really replay the epoch). The position is the owner's (a DataModule's ``state_dict``), applied
+    through its ``load_state_dict`` (which must be idempotent: Lightning restores the DataModule and, when it builds
+    the loader after the restore, the loader too, from the same checkpoint).
+    """
+
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        epoch_fn: Callable[[], Any],
+        position: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, epoch_fn, **kwargs)
+        self._save_position, self._load_position = position
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._save_position()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load_position(state_dict)

@@ -40,6 +40,7 @@ Remote URLs (``pipe:``, ``http://``, ``s3://``) are not supported: planning need
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -57,7 +58,13 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_mm.batch import IGNORE_INDEX, PAD_SEGMENT, MultimodalBatch
-from lightning_mm.datamodules.common import EpochAwareLoader, data_parallel_rank_and_size, expand_urls, load_manifest
+from lightning_mm.datamodules.common import (
+    EpochAwareLoader,
+    ResumableEpochAwareLoader,
+    data_parallel_rank_and_size,
+    expand_urls,
+    load_manifest,
+)
 from lightning_mm.datamodules.decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ERROR_KINDS,
@@ -835,6 +842,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0, "start_step": 0, "plan_world": None}
         self._steps_done = 0  # training batches this rank consumed over the run (the step curriculum's clock)
         self._resume: dict[str, int] | None = None
+        self._restored_from: dict[str, Any] | None = None  # the checkpoint state load_state_dict applied last
         self._resume_world: int | None = None
         self._budgets: tuple[int, int] | None = None
         self._curriculum_printed: int | None = None
@@ -1122,20 +1130,44 @@ class ImageTextWebDataModule(L.LightningDataModule):
             self._start_pass(split)
             state = _epoch_fn()
             epoch = state[0] if isinstance(state, tuple) else state
-            if split == "train" and self.hparams.curriculum and self._global_rank() == 0:
-                if epoch != self._curriculum_printed:  # (Lightning may start a pass's iterator twice)
-                    self._curriculum_printed = epoch
-                    dataset.set_epoch(*state)  # (the loader sets it again after this returns: the same plan)
+            if split == "train":
+                dataset.set_epoch(*state)  # (the loader sets it again after this returns: the same plan)
+                self._check_resumed_length(len(dataset))
+                if self.hparams.curriculum and self._global_rank() == 0 and epoch != self._curriculum_printed:
+                    self._curriculum_printed = epoch  # (Lightning may start a pass's iterator twice)
                     _print(self._describe_curriculum(dataset, epoch))
             return state
 
-        return EpochAwareLoader(
-            dataset,
-            start,
-            num_workers=self.hparams.num_workers,
-            on_batch=lambda batch: self._count_batch(split, batch),
-            on_exhausted=lambda: self._end_pass(split, dataset),
-        )
+        hooks = {
+            "num_workers": self.hparams.num_workers,
+            "on_batch": lambda batch: self._count_batch(split, batch),
+            "on_exhausted": lambda: self._end_pass(split, dataset),
+        }
+        if split == "train":  # (Lightning's stateful-loader protocol: it knows the position is restored)
+            return ResumableEpochAwareLoader(dataset, start, (self.state_dict, self.load_state_dict), **hooks)
+        return EpochAwareLoader(dataset, start, **hooks)
+
+    def _check_resumed_length(self, length: int) -> None:
+        """Refuse a resumed epoch longer than the loader length Lightning counts with.
+
+        Lightning reads the loader's length when it builds the loader, and under ``max_epochs`` that can be before the
+        checkpoint is restored (``EpochAwareLoader``'s docstring). An epoch resumed on another number of data-parallel
+        ranks has another length (the consumed batches plus this run's share of the rest); ``HybridParallelStrategy``
+        rebuilds such a loader after the restore, other strategies keep the early length, which cuts a longer epoch
+        short without a word.
+        """
+        trainer = self.trainer
+        if self._resume is None or trainer is None or trainer.limit_train_batches != 1.0:
+            return
+        counted = trainer.num_training_batches
+        if counted < length:
+            raise RuntimeError(
+                f"resuming epoch {self._resume['epoch']}: this run's share of it is {length} batches, but Lightning "
+                f"counts {counted} (it read the loader's length before restoring the checkpoint, which was saved on "
+                f"{self._resume_world} data-parallel ranks, not {self._data_parallel_rank_and_size()[1]}), so the "
+                "epoch's last batches would be skipped. Resume on as many ranks, use HybridParallelStrategy "
+                "(it rebuilds the loader after the restore), or train by max_steps"
+            )
 
     def _describe_curriculum(self, dataset: _PlannedSplit, epoch: int) -> str:
         """The curriculum line printed at the start of a training epoch."""
@@ -1198,6 +1230,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         """
         position = self._train_position()
         epoch, skip, done, _, start_step, plan_world = position
+        self._restored_from = None  # (a later fit restoring the same checkpoint must apply it again)
         if done is None:
             self._resume = None
         self._consumed = {
@@ -1277,6 +1310,14 @@ class ImageTextWebDataModule(L.LightningDataModule):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the training stream's position (and bad-input counts) from a checkpoint.
+
+        Idempotent: Lightning restores it through the DataModule and, when it builds the train loader after the
+        restore, again through the loader (``ResumableEpochAwareLoader``), from the same checkpoint.
+        """
+        if self._restored_from is not None and state_dict == self._restored_from:
+            return
+        self._restored_from = copy.deepcopy(state_dict)
         if state_dict.get("seed", self.hparams.seed) != self.hparams.seed:
             raise ValueError(
                 f"seed: the checkpoint's data stream used seed {state_dict['seed']}, this DataModule "

@@ -12,7 +12,9 @@ __all__ = [
     "is_local_file_protocol",
     "materialize_distributed_module",
     "optimizers_to_device",
+    "rebuild_train_loader",
     "skip_lightning_backward",
+    "train_loader_built",
 ]
 
 
@@ -22,3 +24,25 @@ def skip_lightning_backward(trainer: pl.Trainer, skip: bool) -> None:
     Pipeline parallelism needs it because the schedule runs backward inside ``training_step``; there is no public
     hook for it (``Strategy.backward`` cannot stop the closure's ``zero_grad``)."""
     trainer.fit_loop._skip_backward = skip
+
+
+def train_loader_built(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop has built its train loader already (e.g. for ``trainer.estimated_stepping_batches``,
+    which builds it under ``max_epochs``)."""
+    return trainer.fit_loop._combined_loader is not None
+
+
+def rebuild_train_loader(trainer: pl.Trainer) -> None:
+    """Build the fit loop's train loader again, as its ``setup_data`` does on a reload epoch.
+
+    Lightning builds the loader before restoring a checkpoint when ``estimated_stepping_batches`` is asked during
+    a strategy's setup (``restore_checkpoint_after_setup``) and never again for the resumed epoch, so the loader
+    keeps the length and iterator of a fresh start and never receives its saved state (``setup_data`` applies a
+    stateful loader's state only when it builds the loader, and it skips an already built one). No public hook
+    rebuilds it; this clears the built loader and runs ``setup_data`` (which also applies the saved loader state).
+    """
+    loop = trainer.fit_loop
+    if loop._data_fetcher is not None:
+        loop._data_fetcher.teardown()  # (the early iterator: a plain DataLoader's may have started workers)
+    loop._combined_loader = None
+    loop.setup_data()

@@ -67,7 +67,9 @@ from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
 from lightning_mm.strategies._compat import (
     materialize_distributed_module,
     optimizers_to_device,
+    rebuild_train_loader,
     skip_lightning_backward,
+    train_loader_built,
 )
 from lightning_mm.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
@@ -266,6 +268,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.virtual_stages = virtual_stages
         self.pipeline_shape = tuple(pipeline_shape) if pipeline_shape is not None else None
         self._pipeline: PipelineRunner | None = None
+        self._train_loader_predates_restore = False
         self._timeline_request: tuple[int | None, str | Path | None] = (None, None)
         self.sequence_parallel = sequence_parallel
         self.tp_plan = tp_plan
@@ -392,6 +395,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # (a schedule asking estimated_stepping_batches under max_epochs builds the train loader here, before
+            # the checkpoint is restored: on_train_start builds it again with the restored position)
+            self._train_loader_predates_restore = trainer.ckpt_path is not None and train_loader_built(trainer)
         self.precision_plugin = with_mesh_clipping(self.precision_plugin, self.norm_groups)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -713,7 +719,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._warn_if_resume_replays_batches(self.lightning_module.trainer)
+        trainer = self.lightning_module.trainer
+        if self._train_loader_predates_restore:
+            # The length of a resumed epoch depends on the restored position (on another number of data-parallel
+            # ranks: the consumed batches plus this run's share of the rest) and a stateful loader's saved state
+            # is applied only when the loader is built: build it again now that the checkpoint is restored.
+            self._train_loader_predates_restore = False
+            rebuild_train_loader(trainer)
+        self._warn_if_resume_replays_batches(trainer)
         if self._pipeline is not None:
             # The schedule has run backward inside training_step: Lightning must neither zero the gradients after it
             # (its closure's zero_grad would silently discard them) nor run its own backward.
