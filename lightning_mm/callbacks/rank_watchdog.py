@@ -4,12 +4,15 @@ the lost rank, instead of a bare gloo/NCCL error or a hang until the collective 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
 import sys
+import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,41 @@ _COMM_ERROR_HINTS = (
     "distbackenderror",
     "peer",
 )
+
+
+_LIBRARY_DIRS = tuple(
+    {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+)
+
+
+def main_thread_wait() -> str:
+    """Where the main thread is now, in one line, for a message about a rank that does not move on: the wait when it
+    is one we know (a ``torch.distributed`` collective, the data loader), else its innermost Python frame, and the
+    innermost frame outside the standard library and site-packages (the code that is waiting)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    if not frames:
+        return "unknown (no Python frame in the main thread)"
+
+    def known(f) -> str | None:
+        name = f.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/distributed/" in name:
+            return "a torch.distributed collective"
+        if "/torch/utils/data/" in name:
+            return "the data loader"
+        return None
+
+    # Innermost known wait: a collective or the loader's queue (whose innermost frame is a lock in threading.py).
+    waiting = next(((f, kind) for f in frames if (kind := known(f)) is not None), None)
+    frame, kind = waiting if waiting is not None else (frames[0], None)
+    where = f"{kind + ': ' if kind else ''}{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+    caller = next((f for f in frames if not f.f_code.co_filename.startswith(_LIBRARY_DIRS)), None)
+    if caller is not None and caller is not frame:
+        where += f", called from {caller.f_code.co_name} ({caller.f_code.co_filename}:{caller.f_lineno})"
+    return where
 
 
 def _node_id() -> str | None:
@@ -88,6 +126,13 @@ class RankWatchdog(L.Callback):
 
     A rank that leaves the fit normally marks itself done, so ranks that finish a little earlier are not reported.
 
+    **Checks of other callbacks.** :meth:`watch` adds a function that the thread calls every heartbeat (also in a
+    one-process run); when it returns a message, *every* rank stops: this one posts the message in the store, and
+    each rank prints it with where its main thread waits, dumps the Python stacks of all its threads
+    (``faulthandler``) and exits with code 1. ``PreemptionCheckpoint`` uses it for ranks that do not reach the
+    checkpoint boundary after a termination signal: a thread, because a main thread blocked in a collective runs no
+    Python code, not even a signal handler. A rank that stops for a lost peer dumps its stacks too.
+
     Args:
         heartbeat_interval: seconds between heartbeats and checks.
         peer_timeout: seconds without a heartbeat after which a peer counts as frozen; keep it well above the
@@ -123,11 +168,29 @@ class RankWatchdog(L.Callback):
         self._peers: list[int] = []
         self._peer_info: dict[int, dict[str, Any]] = {}
         self._store_desc = ""
+        self._checks: list[Callable[[], str | None]] = []
 
     # ------------------------------------------------------------------------- lifecycle
 
+    def watch(self, check: Callable[[], str | None]) -> None:
+        """Call ``check`` from the watchdog thread every heartbeat until :meth:`unwatch` (or teardown); a message it
+        returns stops every rank, each printing where it waits and its Python stacks (class docstring). ``check``
+        runs outside the main thread: it must only read state and never block."""
+        self._checks.append(check)
+
+    def unwatch(self, check: Callable[[], str | None]) -> None:
+        if check in self._checks:
+            self._checks.remove(check)
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread runs (between setup and teardown of a fit)."""
+        return self._thread is not None
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._rank = _rank()
         if _world() == 1:
+            self._start()  # no peers to watch; the checks of watch() still run
             return
         env = getattr(trainer.strategy, "cluster_environment", None)
         host = env.main_address if env is not None else os.environ["MASTER_ADDR"]
@@ -154,15 +217,19 @@ class RankWatchdog(L.Callback):
         self._store.add(f"beat/{self._rank}", 1)
         # Waits for every peer's info: all ranks call setup (Lightning barriers around it).
         self._peer_info = {r: json.loads(self._store.get(f"info/{r}")) for r in self._peers}
+        self._start()
+
+    def _start(self) -> None:
         self.lost = None
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="lightning_mm-rank-watchdog", daemon=True)
         self._thread.start()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._halt()
+        self._checks.clear()
         if self._store is None:
             return
-        self._halt()
         try:
             self._store.add(f"beat/{self._rank}", _DONE)
         except Exception:  # noqa: BLE001 - best effort: the store host may already have finished
@@ -197,6 +264,13 @@ class RankWatchdog(L.Callback):
         changed = {r: time.monotonic() for r in self._peers}
         failing_since: float | None = None
         while not self._stop.wait(self.heartbeat_interval):
+            for check in list(self._checks):
+                message = check()
+                if message is not None:
+                    self._stop_every_rank(message)  # does not return
+            if self._store is None:
+                continue  # one process: nothing else to watch
+            self._follow_stop_of_peer()  # returns only when no peer stopped the run
             lost = None
             try:
                 beats = self._beats()
@@ -230,11 +304,61 @@ class RankWatchdog(L.Callback):
             if self._stop.wait(self.grace):
                 return  # the main thread failed (on_exception) or finished: it reports and exits itself
             print(
-                f"{self.lost}; the main thread is still blocked in a collective: exiting with code 1",
+                f"{self.lost}; the main thread is still blocked in {main_thread_wait()}: exiting with code 1 "
+                "(Python stacks of this rank below)",
                 file=sys.stderr,
                 flush=True,
             )
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             os._exit(1)
+
+    # ------------------------------------------------------------------------- stopping every rank (watch())
+
+    def _stop_every_rank(self, message: str) -> None:
+        """This rank found a reason to stop the run (a check of :meth:`watch`): tell the peers through the store,
+        print, dump the stacks, and exit 1, after the peers have read it (or a few heartbeats)."""
+        text = f"RankWatchdog (rank {self._rank}): {message}"
+        print(
+            f"{text}; stopping every rank. This rank's main thread waits in {main_thread_wait()}; "
+            "its Python stacks follow",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self._store is not None:
+            try:
+                # Once: the first rank's reason is the one every rank prints.
+                self._store.compare_set("stop", "", json.dumps({"rank": self._rank, "message": message}))
+                # The store lives in rank 0's process: wait until the peers have read the reason before leaving.
+                deadline = time.monotonic() + max(3 * self.heartbeat_interval, 2.0)
+                while self._store.add("stop/read", 0) < len(self._peers) and time.monotonic() < deadline:
+                    time.sleep(self.heartbeat_interval / 4)
+            except Exception:  # noqa: BLE001 - the store host may be gone; this rank stops anyway
+                pass
+        sys.stderr.flush()
+        os._exit(1)
+
+    def _follow_stop_of_peer(self) -> None:
+        """If a peer stopped the run (:meth:`_stop_every_rank`), print its reason and this rank's stacks, exit 1."""
+        try:
+            if not self._store.check(["stop"]):
+                return
+            stop = json.loads(self._store.get("stop"))
+        except Exception:  # noqa: BLE001 - a store failure is judged by the heartbeat below
+            return
+        print(
+            f"RankWatchdog (rank {self._rank}): rank {stop['rank']} stopped the run: {stop['message']}. This rank's "
+            f"main thread waits in {main_thread_wait()}; exiting with code 1 (Python stacks of this rank below)",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        try:
+            self._store.add("stop/read", 1)
+        except Exception:  # noqa: BLE001
+            pass
+        sys.stderr.flush()
+        os._exit(1)
 
     def _identify(self) -> str | None:
         """Called after a communication error: which peer is gone? Same-host pids at once; else the peer whose counter
@@ -259,9 +383,9 @@ class RankWatchdog(L.Callback):
         return found
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._halt()
         if self._store is None:
             return
-        self._halt()
         if self.lost is None and any(
             hint in f"{type(exception).__name__} {exception}".lower() for hint in _COMM_ERROR_HINTS
         ):
