@@ -6,7 +6,12 @@ than the checkpoint, the move is a copy into the destination, and a kill during 
 ``last.ckpt`` in place of the previous good one. This plugin writes the temporary file beside the destination
 (``.NAME.partial``), fsyncs it, renames it over the destination (atomic within one file system) and fsyncs the
 directory. ``HybridParallelStrategy`` uses it for its one-file checkpoints; any other strategy can take it with
-``Trainer(plugins=[AtomicCheckpointIO()])``. Remote (fsspec URL) paths keep Lightning's behaviour.
+``Trainer(plugins=[AtomicCheckpointIO()])``. Remote (fsspec URL) paths keep Lightning's way of writing.
+
+Loading is safe by default under every strategy: ``torch.load(..., weights_only=True)`` is passed explicitly (also
+for remote paths), because torch lets ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turn pickle back on for any call that
+leaves ``weights_only`` unset, which is what Lightning's ``TorchCheckpointIO`` does; only ``weights_only=False`` from
+the caller (``Trainer.fit(..., weights_only=False)``) unpickles arbitrary objects.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_mm.checkpoint import write_atomically
+from lightning_mm.checkpoint import _newest_complete, safe_load, write_atomically
 from lightning_mm.strategies._compat import is_local_file_protocol
 
 __all__ = ["AtomicCheckpointIO"]
@@ -35,3 +40,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda file: torch.save(checkpoint, file))
         return None
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+        safe = weights_only is not False  # None (Lightning's default) counts as True
+        if not is_local_file_protocol(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=safe)
+        path = _newest_complete(Path(path))  # (a kill between two renames: the copy moved aside, see _publish)
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return safe_load(path, f"checkpoint {str(path)!r}", weights_only=safe, map_location=map_location or "cpu")

@@ -815,6 +815,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         objects beyond tensors and plain containers are refused with
         :class:`~lightning_mm.checkpoint.UnsafeCheckpointError` before anything is unpickled."""
         path = Path(self.broadcast(checkpoint_path))
+        ckpt.recover_checkpoint(path)  # (a save killed while publishing: its newest copy goes in place first)
         strict = self.lightning_module.strict_loading
         if path.is_file():
             return self._load_full_checkpoint(path, strict, weights_only)

@@ -1,0 +1,304 @@
+"""Reading a checkpoint from someone else (issue 25): DCP's ``.metadata`` admits plain data only (no state set on
+any class, no path objects), every file is opened inside the checkpoint directory without following links, damaged
+files raise ``CorruptCheckpointError`` naming them, and ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` cannot turn pickle back
+on. One process, no process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import pickle
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from lightning_mm import checkpoint as ckpt
+from lightning_mm.strategies import AtomicCheckpointIO
+
+SHARD = "__0_0.distcp"
+
+
+class _Payload:
+    """Unpickling this calls ``open(marker, "w")``: the file exists afterwards iff the payload ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+def _save(path: Path, seed: int = 0) -> nn.Module:
+    model = _model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    state = get_optimizer_state_dict(model, optimizer)
+    ckpt.save_sharded(path, get_model_state_dict(model), [state], {ckpt.TOPOLOGY_KEY: {"world_size": 1}})
+    return model
+
+
+def _reseal(directory: Path) -> None:
+    """A crafted checkpoint comes with a matching COMPLETE marker (the marker guards against torn saves only)."""
+    (directory / ckpt.COMPLETE_FILE).unlink()
+    ckpt._write_complete_marker(directory)
+
+
+def _load(path: Path) -> nn.Module:
+    model = _model(seed=7)
+    ckpt.load_sharded(path, model, [torch.optim.AdamW(model.parameters(), lr=1e-3)])
+    return model
+
+
+def _trusted_metadata(directory: Path) -> dcp_metadata.Metadata:
+    return pickle.loads((directory / ".metadata").read_bytes())  # written by this test: trusted
+
+
+def _class_state() -> dict:
+    classes = [getattr(dcp_metadata, name) for name in dcp_metadata.__all__] + [_StorageInfo, pathlib.PosixPath]
+    functions = [torch.serialization._get_layout]
+    return {obj: dict(vars(obj)) for obj in classes + functions}
+
+
+# ----------------------------------------------------------------------------------------------- item 2
+
+
+def test_metadata_that_sets_state_on_an_admitted_class_is_refused_and_the_class_is_unchanged(tmp_path):
+    """BUILD on the class object itself (slot state: ``setattr(Metadata, ...)``), then the genuine metadata: torch's
+    unpickler and the old allow-list load it and leave ``Metadata`` changed for the rest of the process."""
+    _save(tmp_path / "ck")
+    genuine = (tmp_path / "ck" / ".metadata").read_bytes()
+    for module, name in (
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # its cache would poison every later torch.load of a layout
+    ):
+        mutate = (
+            pickle.PROTO + b"\x02" + pickle.GLOBAL + f"{module}\n{name}\n".encode()
+            + pickle.NONE + pickle.EMPTY_DICT + pickle.SHORT_BINUNICODE + b"\x08injected" + pickle.BININT1 + b"\x01"
+            + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD + pickle.POP
+        )  # fmt: skip
+        (tmp_path / "ck" / ".metadata").write_bytes(mutate + genuine)
+        _reseal(tmp_path / "ck")
+        before = _class_state()
+        with pytest.raises(ckpt.UnsafeCheckpointError, match=rf"\.metadata sets state on {module}\.{name}"):
+            _load(tmp_path / "ck")
+        assert _class_state() == before, f"{module}.{name} was changed by the file"
+
+
+class _PathWithState:
+    """Pickles as ``PosixPath("..", "decoy", SHARD)`` whose cached string (slot state) reads ``SHARD``: its ``str``
+    passes an "inside the directory" check while ``directory / path`` uses the parts."""
+
+    def __reduce__(self):
+        return (pathlib.PosixPath, ("..", "decoy", SHARD), (None, {"_str": SHARD}))
+
+
+def test_a_path_object_in_metadata_is_refused_not_followed(tmp_path):
+    _save(tmp_path / "ck", seed=0)
+    _save(tmp_path / "decoy", seed=1)  # another model's shard, where the crafted path points
+    metadata = _trusted_metadata(tmp_path / "ck")
+    metadata.storage_data = {
+        index: dataclasses.replace(info, relative_path=_PathWithState())
+        for index, info in metadata.storage_data.items()
+    }
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(metadata))
+    _reseal(tmp_path / "ck")
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.metadata (sets state on|points a shard at) pathlib\.PosixPath"):
+        _load(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("name", ["../decoy/" + SHARD, "/etc/passwd", "..", "", "a\x00b", "sub/" + SHARD])
+def test_shard_names_must_be_plain_file_names(tmp_path, name):
+    _save(tmp_path / "ck")
+    metadata = _trusted_metadata(tmp_path / "ck")
+    metadata.storage_data = {i: dataclasses.replace(s, relative_path=name) for i, s in metadata.storage_data.items()}
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(metadata))
+    _reseal(tmp_path / "ck")
+    with pytest.raises(ckpt.UnsafeCheckpointError, match="outside the checkpoint directory"):
+        _load(tmp_path / "ck")
+
+
+def test_metadata_is_rebuilt_from_plain_data_with_exact_types(tmp_path):
+    """What the reader returns is built by DCP's constructors from checked values: the same metadata as torch's
+    reader, with the paths it names as plain ``str``."""
+    _save(tmp_path / "ck")
+    trusted = _trusted_metadata(tmp_path / "ck")
+    safe = ckpt.SafeFileSystemReader(tmp_path / "ck").read_metadata()
+    assert safe.state_dict_metadata == trusted.state_dict_metadata
+    assert safe.storage_data == trusted.storage_data
+    assert safe.planner_data == trusted.planner_data
+    assert all(type(info.relative_path) is str for info in safe.storage_data.values())
+    assert type(safe.storage_meta.checkpoint_id) is str  # DCP pickles a PosixPath here
+    assert safe.storage_meta.checkpoint_id == str(trusted.storage_meta.checkpoint_id)
+
+
+def test_metadata_whose_chunks_do_not_cover_a_tensor_is_corrupt(tmp_path):
+    """DCP would leave the uncovered part of the tensor as the model had it, without a word."""
+    _save(tmp_path / "ck")
+    metadata = _trusted_metadata(tmp_path / "ck")
+    entry = metadata.state_dict_metadata["state_dict.0.weight"]
+    entry.size = torch.Size([8, 4])
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(metadata))
+    _reseal(tmp_path / "ck")
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"state_dict\.0\.weight.*do not cover"):
+        _load(tmp_path / "ck")
+
+
+# ----------------------------------------------------------------------------------------------- item 3
+
+
+@pytest.mark.parametrize("name", [SHARD, ".metadata", ckpt.METADATA_FILE, ckpt.COMPLETE_FILE, "topology.json"])
+def test_a_checkpoint_file_that_is_a_symlink_is_refused_naming_it(tmp_path, name):
+    _save(tmp_path / "ck", seed=0)
+    _save(tmp_path / "other", seed=1)  # a file of the same kind elsewhere on the machine
+    (tmp_path / "ck" / name).unlink()
+    (tmp_path / "ck" / name).symlink_to(tmp_path / "other" / name)
+    if name != ckpt.COMPLETE_FILE:
+        _reseal(tmp_path / "ck")  # the marker vouches for the link's size
+    match = rf"{name}'?: it is a symbolic link"
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=match):
+        ckpt.check_complete(tmp_path / "ck")
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=match):
+        _load(tmp_path / "ck")
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=match):
+        ckpt.consolidate(tmp_path / "ck", tmp_path / "out.ckpt")
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_the_reader_opens_no_link_even_when_the_marker_does_not_list_it(tmp_path):
+    """The completeness check is not the only guard: DCP's reads go through the no-follow open themselves."""
+    import torch.distributed.checkpoint as dcp
+
+    _save(tmp_path / "ck", seed=0)
+    _save(tmp_path / "other", seed=1)
+    (tmp_path / "ck" / SHARD).unlink()
+    (tmp_path / "ck" / SHARD).symlink_to(tmp_path / "other" / SHARD)
+    state = {"state_dict": get_model_state_dict(_model(seed=7))}
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=rf"{SHARD}'?: it is a symbolic link"):
+        ckpt._dcp_load(
+            lambda reader: dcp.load(state, storage_reader=reader, planner=ckpt.SafeLoadPlanner(), no_dist=True),
+            tmp_path / "ck",
+            True,
+        )
+
+
+def test_a_fifo_in_place_of_a_shard_is_refused_without_blocking(tmp_path):
+    _save(tmp_path / "ck")
+    (tmp_path / "ck" / SHARD).unlink()
+    os.mkfifo(tmp_path / "ck" / SHARD)
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=rf"{SHARD}'?: it is not a regular file"):
+        ckpt._open_inside(tmp_path / "ck", SHARD)
+
+
+def test_a_checkpoint_directory_reached_through_a_link_loads(tmp_path):
+    """Lightning's ``save_last="link"`` makes ``last.ckpt`` a link to the directory: that one is followed."""
+    saved = _save(tmp_path / "epoch=0-step=1.ckpt")
+    (tmp_path / "last.ckpt").symlink_to("epoch=0-step=1.ckpt")
+    loaded = _load(tmp_path / "last.ckpt")
+    for a, b in zip(saved.parameters(), loaded.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------- item 13
+
+
+def test_truncated_or_garbage_metadata_is_corrupt_naming_the_file(tmp_path):
+    _save(tmp_path / "ck")
+    genuine = (tmp_path / "ck" / ".metadata").read_bytes()
+    for content in (b"", genuine[:1], genuine[: len(genuine) // 2], genuine[:-1], b"garbage" * 10, b"\x80\x05\x95"):
+        (tmp_path / "ck" / ".metadata").write_bytes(content)
+        _reseal(tmp_path / "ck")
+        with pytest.raises(ckpt.CorruptCheckpointError, match=r"\.metadata"):
+            _load(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("name", [SHARD, ckpt.METADATA_FILE, ckpt.COMPLETE_FILE, "topology.json"])
+def test_other_damaged_files_are_corrupt_naming_the_file(tmp_path, name):
+    _save(tmp_path / "ck")
+    data = (tmp_path / "ck" / name).read_bytes()
+    (tmp_path / "ck" / name).write_bytes(b"\x00garbage\xff" * 3 + data[: len(data) // 3])
+    if name != ckpt.COMPLETE_FILE:
+        _reseal(tmp_path / "ck")
+    with pytest.raises(ckpt.CorruptCheckpointError, match=rf"{name}"):
+        _load(tmp_path / "ck") if name != "topology.json" else ckpt.read_topology(tmp_path / "ck")
+
+
+def test_consolidate_prints_one_line_for_a_corrupt_checkpoint(tmp_path, capsys):
+    _save(tmp_path / "ck")
+    data = (tmp_path / "ck" / ".metadata").read_bytes()
+    (tmp_path / "ck" / ".metadata").write_bytes(data[: len(data) // 2])
+    _reseal(tmp_path / "ck")
+    with pytest.raises(SystemExit) as exited:
+        ckpt.consolidate_main([str(tmp_path / "ck"), str(tmp_path / "out.ckpt")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("lightning-mm consolidate: error: ") and ".metadata" in err, err
+
+
+# ----------------------------------------------------------------------------------------------- item 14
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_atomic_checkpoint_io_refuses_pickle_even_when_torch_is_told_to_allow_it(tmp_path, monkeypatch):
+    """torch honours ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` for every ``torch.load`` that leaves ``weights_only``
+    unset, which is how Lightning loads under any strategy but ours."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    marker = tmp_path / "ran"
+    torch.save({"state_dict": {}, "evil": _Payload(marker)}, tmp_path / "one.ckpt")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[AtomicCheckpointIO()],
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"one\.ckpt.*weights_only=False"):
+        trainer.fit(_Tiny(), [torch.randn(2, 4)], ckpt_path=tmp_path / "one.ckpt")
+    assert not marker.exists()
+    # The explicit opt-in still loads a trusted file (here: runs the payload).
+    AtomicCheckpointIO().load_checkpoint(tmp_path / "one.ckpt", weights_only=False)
+    assert marker.exists()
+
+
+def test_a_one_file_checkpoint_saved_by_atomic_checkpoint_io_round_trips(tmp_path):
+    io_plugin = AtomicCheckpointIO()
+    state = {"state_dict": {"w": torch.arange(3.0)}, "global_step": 4}
+    io_plugin.save_checkpoint(state, tmp_path / "a.ckpt")
+    loaded = io_plugin.load_checkpoint(tmp_path / "a.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(3.0)) and loaded["global_step"] == 4
+
+
+def test_the_old_copy_of_a_one_file_checkpoint_is_read_when_a_kill_left_the_name_missing(tmp_path):
+    io_plugin = AtomicCheckpointIO()
+    io_plugin.save_checkpoint({"global_step": 3}, tmp_path / "last.ckpt")
+    shutil.move(tmp_path / "last.ckpt", tmp_path / ".last.ckpt.old")  # the first of two renames
+    assert io_plugin.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 3
