@@ -27,7 +27,9 @@ __all__ = [
 def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -> list[str]:
     """Brace-expand (``train-{000000..000007}.tar``) and glob local shard paths; errors name ``argument``.
 
-    With ``must_exist=False`` missing paths are returned too, for a caller whose error policy decides.
+    Every glob must match: ``["laion/*.tar", "coyo/*.tar"]`` without coyo shards (or ``{laion,coyo}/*.tar``) is
+    an error naming ``coyo/*.tar``, not a run on laion alone. With ``must_exist=False`` missing plain paths are
+    returned too, for a caller whose error policy decides.
     """
     from braceexpand import braceexpand
 
@@ -36,6 +38,9 @@ def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -
     for pattern in patterns:
         for url in braceexpand(pattern):
             matches = sorted(glob.glob(url)) if any(c in url for c in "*?[") else [url]
+            if not matches:
+                where = f" (from {pattern!r})" if url != pattern else ""
+                raise FileNotFoundError(f"{argument}: the pattern {url!r}{where} matches no file")
             expanded.extend(matches)
     if not expanded:
         raise ValueError(f"{argument}: {urls!r} matches no shard")

@@ -20,13 +20,16 @@ non-regular members, names without an extension and ``__meta__`` names are ignor
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import re
+import statistics
 import tarfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import Image
@@ -40,6 +43,8 @@ __all__ = [
     "BadSampleError",
     "ErrorLog",
     "SampleRecord",
+    "ShardIndex",
+    "account_damaged_shards",
     "index_shard",
     "load_rgb_image",
     "read_sample_files",
@@ -60,7 +65,21 @@ ERROR_KINDS: tuple[str, ...] = (
     "caption_missing",
     "caption_not_utf8",
     "json_without_caption",
+    "image_key_mismatch",
+    "caption_untokenizable",
+    "sample_unreadable",
+    "sample_failed",
 )
+"""What a skip counts, in *samples*: a damaged or empty shard adds the samples it lost (``account_damaged_shards``).
+``image_key_mismatch``: the sample holds an image file under an extension ``image_keys`` does not list (with
+``require_image_keys``); ``caption_untokenizable``: the tokenizer failed on the caption; ``sample_unreadable``: its
+bytes could not be read back when loading (the shard changed since it was indexed); ``sample_failed``: any other
+per-sample failure while loading (named with its exception), so no single sample stops the split."""
+
+IMAGE_EXTENSIONS: frozenset[str] = frozenset(
+    {"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "avif", "jxl", "heic", "heif", "jp2", "ppm", "pgm"}
+)
+"""File extensions that hold an image whether or not ``image_keys`` lists them (per-sample key check)."""
 NOTICE_KINDS: tuple[str, ...] = ("image_missing", "image_converted", "caption_truncated")
 """Counted but never errors: a text-only sample, a non-RGB image converted to RGB, a caption cut by the tokenizer."""
 
@@ -85,9 +104,10 @@ IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
 """Images whose header declares more pixels are skipped as ``image_too_large`` before any pixel is decoded: decoding
-one RGB image takes ~3 bytes per pixel (200 MB at this limit, 4.8 GB for a 40000 x 40000 header that a 118-byte PNG
-can declare), while the model uses at most ``max_patches_per_image`` patches of it. PIL's own guard above
-(``MAX_IMAGE_PIXELS``) is a process-wide backstop; this one is per DataModule and counted."""
+one image takes ~4 bytes per pixel (PIL stores RGB pixels in 4 bytes; the conversions of :func:`load_rgb_image` stay
+within ~5 for high bit depth and ~8 for 4-byte modes: 270-540 MB at this limit, 6.4 GB for a 40000 x 40000 header
+that a 118-byte PNG can declare), while the model uses at most ``max_patches_per_image`` patches of it. PIL's own
+guard above (``MAX_IMAGE_PIXELS``) is a process-wide backstop; this one is per DataModule and counted."""
 
 
 def check_image_pixels(max_image_pixels: int | None) -> int | None:
@@ -103,7 +123,7 @@ def _too_large(width: int, height: int, max_image_pixels: int | None) -> str | N
     if max_image_pixels is not None and width * height > max_image_pixels:
         return (
             f"the header declares {width} x {height} = {width * height} pixels, more than max_image_pixels="
-            f"{max_image_pixels} (decoding it would take ~{3 * width * height / 2**20:.0f} MiB)"
+            f"{max_image_pixels} (decoding it would take ~{4 * width * height / 2**20:.0f} MiB)"
         )
     return None
 
@@ -155,12 +175,25 @@ class ErrorLog:
         self.on_error = on_error
         self.counts: dict[str, int] = dict.fromkeys((*ERROR_KINDS, *NOTICE_KINDS), 0)
         self.examples: dict[str, str] = {}
+        self.by_shard: dict[str, dict[str, int]] = {}
+        """Shard URL -> error kind -> samples skipped (the per-shard lines of :meth:`summary`)."""
+        self.shard_notes: dict[str, str] = {}
+        """Shard URL -> what was wrong with the shard as a whole and how its lost samples were counted."""
 
-    def error(self, kind: str, url: str, key: str | None, detail: str) -> None:
-        """Report a bad shard or sample: raise :class:`BadSampleError` under ``"raise"``, else count it."""
+    def error(self, kind: str, url: str, key: str | None, detail: str, samples: int = 1) -> None:
+        """Report a bad shard or sample: raise :class:`BadSampleError` under ``"raise"``, else count it.
+
+        ``samples``: how many samples the problem cost (a damaged shard loses many; see ``account_damaged_shards``).
+        """
         if kind not in ERROR_KINDS:
             raise ValueError(f"kind must be one of ERROR_KINDS {list(ERROR_KINDS)}, got {kind!r}")
-        self.counts[kind] += 1
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"samples must be an int >= 1, got {samples!r}")
+        self.counts[kind] += samples
+        shard = self.by_shard.setdefault(url, {})
+        shard[kind] = shard.get(kind, 0) + samples
+        if key is None:
+            self.shard_notes.setdefault(url, detail)
         err = BadSampleError(kind, url, key, detail)
         self.examples.setdefault(kind, str(err))
         if self.on_error == "raise":
@@ -189,17 +222,38 @@ class ErrorLog:
         for kind, message in examples.items():
             self.examples.setdefault(kind, message)
 
+    def merge_shards(self, by_shard: Mapping[str, Mapping[str, int]]) -> None:
+        """Add per-shard counts (e.g. a worker's ``ErrorLog.by_shard``) to these."""
+        for url, kinds in by_shard.items():
+            mine = self.by_shard.setdefault(url, {})
+            for kind, count in kinds.items():
+                if kind not in ERROR_KINDS or isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                    raise ValueError(f"by_shard[{url!r}]: bad count {kind!r}: {count!r}")
+                mine[kind] = mine.get(kind, 0) + count
+
+    def shard_snapshot(self) -> dict[str, dict[str, int]]:
+        """A copy of :attr:`by_shard`, to pass as ``since_shards`` to :meth:`summary` later."""
+        return {url: dict(kinds) for url, kinds in self.by_shard.items()}
+
     @property
     def skipped(self) -> int:
         """Samples (or damaged shard rests) dropped so far: the sum of the error kinds."""
         return sum(self.counts[kind] for kind in ERROR_KINDS)
 
     def summary(
-        self, what: str, total: int | None = None, since: dict[str, int] | None = None, skipped: int | None = None
+        self,
+        what: str,
+        total: int | None = None,
+        since: dict[str, int] | None = None,
+        skipped: int | None = None,
+        since_shards: dict[str, dict[str, int]] | None = None,
+        kept: Mapping[str, int] | None = None,
     ) -> str:
-        """One paragraph for the console: how many were skipped (since the ``since`` counts, e.g. a snapshot taken at
-        the start of an epoch) of ``total``, by kind with an example each, and the notices. ``skipped`` overrides
-        the headline count (e.g. summed over ranks, while the kinds below are this process's)."""
+        """One paragraph for the console: how many samples were skipped (since the ``since`` counts, e.g. a snapshot
+        taken at the start of an epoch) of ``total``, by kind with an example each, by shard (since ``since_shards``,
+        with the ``kept`` samples of each shard when given, and how a damaged shard's loss was counted), and the
+        notices. ``skipped`` overrides the headline count (e.g. summed over ranks, while the kinds below are this
+        process's)."""
         counts = {kind: count - (since or {}).get(kind, 0) for kind, count in self.counts.items()}
         if skipped is None:
             skipped = sum(counts[kind] for kind in ERROR_KINDS)
@@ -210,10 +264,33 @@ class ErrorLog:
             if counts[kind]:
                 example = self.examples.get(kind)
                 parts.append(f"  {kind}: {counts[kind]}" + (f" (e.g. {example})" if example else ""))
+        parts.extend(self._shard_lines(since_shards or {}, kept))
         notices = ", ".join(f"{kind} {counts[kind]}" for kind in NOTICE_KINDS if counts[kind])
         if notices:
             parts.append(f"  notices (kept): {notices}")
         return "\n".join(parts)
+
+    def _shard_lines(self, since: dict[str, dict[str, int]], kept: Mapping[str, int] | None, most: int = 10) -> list:
+        """Per-shard skip counts, the shards that lost most first (``most`` of them: a run over 10,000 shards with a
+        few bad ones says which; one with thousands says how many)."""
+        shards = {}
+        for url, kinds in self.by_shard.items():
+            delta = {k: n - since.get(url, {}).get(k, 0) for k, n in kinds.items()}
+            if any(delta.values()):
+                shards[url] = {k: n for k, n in delta.items() if n}
+        if not shards:
+            return []
+        lines = [f"  by shard ({len(shards)} with skips):"]
+        for url, kinds in sorted(shards.items(), key=lambda item: (-sum(item[1].values()), item[0]))[:most]:
+            line = f"    {url}: " + ", ".join(f"{kind} {count}" for kind, count in kinds.items())
+            if kept is not None:
+                line += f"; {kept.get(url, 0)} kept"
+            if url in self.shard_notes:
+                line += f" ({self.shard_notes[url]})"
+            lines.append(line)
+        if len(shards) > most:
+            lines.append(f"    ... and {len(shards) - most} more shard(s)")
+        return lines
 
     def __repr__(self) -> str:
         nonzero = {kind: count for kind, count in self.counts.items() if count}
@@ -276,16 +353,51 @@ def _caption_of(
     if text_key is None:
         try:
             meta = json.loads(text)
-        except json.JSONDecodeError as err:
-            return None, "json_without_caption", f"'json' is not valid JSON ({err}) and there is no {list(text_keys)}"
+        except (ValueError, RecursionError) as err:
+            # ValueError: JSONDecodeError, and an integer of more than 4300 digits (Python's int-from-string
+            # limit); RecursionError: deeply nested arrays / objects. Either is this sample's problem only.
+            why = f"{type(err).__name__}: {str(err)[:200]}"
+            detail = f"'json' is not valid JSON ({why}) and there is no {list(text_keys)}"
+            return None, "json_without_caption", detail
         text = meta.get("caption") if isinstance(meta, dict) else None
         if not isinstance(text, str):
             detail = f"'json' has no 'caption' string field and there is no {list(text_keys)}"
             return None, "json_without_caption", detail
+        try:
+            # A JSON escape can spell a lone surrogate ("\\ud800"): a str that is not Unicode text, which every
+            # tokenizer (and any later encode) rejects. Refused here, per sample, not when the split is tokenized.
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return None, "caption_not_utf8", f"the caption in 'json' holds a lone surrogate at character {err.start}"
     text = text.strip()
     if not text:
         return None, "caption_missing", f"the caption in {source!r} is empty"
     return text, "", ""
+
+
+@dataclass
+class ShardIndex:
+    """What :func:`scan_shard` learned about one shard."""
+
+    url: str
+    records: list[SampleRecord]
+    """The valid samples, in tar order."""
+    digest: str
+    """SHA-256 (hex) of the shard's content as indexing sees it: its size, every member header (name, size, mtime,
+    type) and the first and last 4 KiB of every member's data (all of a caption, the header of an image). Rewriting
+    a shard with other samples changes it even at the same byte size; it costs no extra pass over the shard."""
+    samples: int = 0
+    """Samples read completely (kept, or skipped for a problem of their own)."""
+    with_image: int = 0
+    """Of those, the samples holding a file under ``image_keys`` (decodable or not)."""
+    extensions: Counter = field(default_factory=Counter)
+    """Extension -> samples holding it (what the shard's samples hold, for a key error)."""
+    damage: str | None = None
+    """What is wrong with the shard as a whole (None: intact); its lost samples are not yet reported."""
+    damage_kind: str | None = None
+    """``tar_truncated`` or ``shard_empty`` when ``damage`` is set."""
+    damage_key: str | None = None
+    """The sample being read at the damage (dropped: more of its files may have followed), if any."""
 
 
 def index_shard(
@@ -294,6 +406,7 @@ def index_shard(
     image_keys: Sequence[str] = IMAGE_KEYS,
     text_keys: Sequence[str] = TEXT_KEYS,
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+    require_image_keys: bool = False,
 ) -> list[SampleRecord]:
     """Read a local, uncompressed tar shard once, in tar order, and return its valid samples.
 
@@ -304,18 +417,88 @@ def index_shard(
     * tar truncated or corrupt part-way (a member's data past the end of the file, a broken header,
       no end-of-archive block): ``tar_truncated``; the samples read completely before the damage are
       returned. The sample being read at the damage is dropped, even if its files seem intact, since
-      more of its files may have followed.
+      more of its files may have followed. A shard alone cannot say how many samples followed the damage: this
+      counts the one its headers show (a lower bound); :func:`account_damaged_shards` estimates the loss from
+      the other shards of a split, or takes it from an earlier index.
     * zero-byte image file: ``image_empty``; image header PIL cannot parse: ``image_unreadable``; a header
       declaring more than ``max_image_pixels`` pixels: ``image_too_large`` (nothing decoded).
-    * no caption file, or an empty caption: ``caption_missing``; caption bytes not UTF-8:
-      ``caption_not_utf8``; no txt / caption file and a json without a ``"caption"`` string:
-      ``json_without_caption``. These samples are skipped.
-    * no image file: kept as a text-only sample (``image_key=None``), counted as ``image_missing``.
+    * no caption file, or an empty caption: ``caption_missing``; caption bytes not UTF-8 or a lone surrogate in a
+      JSON caption: ``caption_not_utf8``; no txt / caption file and a json that is not valid JSON (including
+      nesting too deep and integers too long for Python) or has no ``"caption"`` string: ``json_without_caption``.
+      These samples are skipped.
+    * no image file: kept as a text-only sample (``image_key=None``), counted as ``image_missing``; but a file
+      with an image extension that ``image_keys`` does not list is ``image_key_mismatch`` (skipped) when
+      ``require_image_keys``, so images under another key are not trained on as text alone.
 
     The image is the first extension of ``image_keys`` present; the caption comes from the first of
     ``text_keys`` present, else from ``json["caption"]``. A compressed tar raises ValueError whatever
     the policy: offsets inside it are not file offsets, so its samples cannot be read by seeking.
     """
+    index = scan_shard(url, errors, image_keys, text_keys, max_image_pixels, require_image_keys)
+    account_damaged_shards([index], errors)
+    return index.records
+
+
+def account_damaged_shards(
+    indexes: Sequence[ShardIndex], errors: ErrorLog, known: Mapping[str, int] | None = None, source: str = "an index"
+) -> None:
+    """Report every damaged or empty shard of ``indexes`` (one split) with the samples it lost.
+
+    The count comes from, in order: ``known[url]`` (the shard's samples from an earlier index, e.g. a dataset
+    manifest, named by ``source``); the median sample count of the split's intact shards (an estimate: shards are
+    usually written with a fixed number of samples); else the samples the tar's own headers show up to the damage
+    (a lower bound). The detail says which, so the summary separates counts from estimates. Reported through
+    ``errors`` like any skip: the ``max_skipped_fraction`` rule then weighs a shard cut to a tenth by the ~90 % of
+    its samples it lost, not as one.
+    """
+    intact = [index.samples for index in indexes if index.damage is None and index.samples]
+    typical = statistics.median_low(intact) if intact else None
+    for index in indexes:
+        if index.damage is None:
+            continue
+        read, at_damage = index.samples, int(index.damage_key is not None)
+        expected = (known or {}).get(index.url)
+        if expected is not None:
+            lost = max(expected - read, at_damage, 1)
+            basis = f"{lost} sample(s) lost: the shard held {expected} (known from {source}), {read} read before it"
+        elif typical is not None:
+            lost = max(typical - read, at_damage, 1)
+            basis = (
+                f"~{lost} sample(s) lost, estimated: the split's {len(intact)} intact shard(s) hold a median of "
+                f"{typical} samples, {read} were read before the damage"
+            )
+        else:
+            lost = max(at_damage, 1)
+            basis = (
+                f"at least {lost} sample(s) lost (counted from the tar's headers up to the damage; no intact shard "
+                f"to estimate the rest from), {read} read before it"
+            )
+        errors.shard_notes.setdefault(index.url, basis)  # (the summary's line for the shard says how it was counted)
+        errors.error(index.damage_kind, index.url, index.damage_key, f"{index.damage}; {basis}", samples=lost)
+
+
+def _member_digest(digest, fd: int, info: tarfile.TarInfo, sample: int = 4096) -> None:
+    """Add one member's header fields and the first / last ``sample`` bytes of its data to ``digest``."""
+    digest.update(f"{info.name}\0{info.size}\0{info.mtime}\0{info.type!r}\n".encode("utf-8", "surrogateescape"))
+    if info.isreg() and info.size:
+        digest.update(os.pread(fd, min(info.size, sample), info.offset_data))
+        if info.size > sample:
+            tail = min(sample, info.size - sample)
+            digest.update(os.pread(fd, tail, info.offset_data + info.size - tail))
+
+
+def scan_shard(
+    url: str,
+    errors: ErrorLog,
+    image_keys: Sequence[str] = IMAGE_KEYS,
+    text_keys: Sequence[str] = TEXT_KEYS,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+    require_image_keys: bool = False,
+) -> ShardIndex:
+    """:func:`index_shard` for a split: per-sample problems are reported to ``errors`` as they are found, while a
+    damaged or empty shard is only described (``ShardIndex.damage``); :func:`account_damaged_shards` reports it once
+    the split's other shards tell how many samples it lost. The result also carries the shard's content digest and
+    what its samples hold."""
     if not isinstance(errors, ErrorLog):
         raise TypeError(f"errors must be an ErrorLog, got {type(errors).__name__}")
     image_keys = _check_keys(image_keys, "image_keys")
@@ -326,22 +509,29 @@ def index_shard(
     if overlap:
         raise ValueError(f"image_keys and text_keys must not share extensions nor contain 'json': {sorted(overlap)}")
     url = os.fspath(url)
+    digest = hashlib.sha256()
+    result = ShardIndex(url, [], "")
+
+    def damaged(kind: str, detail: str, key: str | None = None) -> ShardIndex:
+        result.damage_kind, result.damage, result.damage_key = kind, detail, key
+        result.digest = digest.hexdigest()
+        return result
 
     if not os.path.isfile(url):
         what = "is a directory, not a tar file" if os.path.isdir(url) else "does not exist"
         errors.error("shard_missing", url, None, f"the shard {what}")
-        return []
+        return result
     try:
         raw = open(url, "rb")  # closed by the `with raw` below
     except OSError as err:
         errors.error("shard_missing", url, None, f"cannot open the shard ({err})")
-        return []
+        return result
 
     with raw:
         file_size = os.fstat(raw.fileno()).st_size
+        digest.update(f"{file_size}\n".encode())
         if file_size == 0:  # GNU tar reads a 0-byte file as an empty archive
-            errors.error("shard_empty", url, None, "the file is empty (0 bytes)")
-            return []
+            return damaged("shard_empty", "the file is empty (0 bytes)")
         head = raw.read(6)
         for magic, codec in _COMPRESSED_MAGIC.items():
             if head.startswith(magic):
@@ -351,7 +541,7 @@ def index_shard(
                 )
         raw.seek(0)
 
-        records: list[SampleRecord] = []
+        records = result.records
         group_key: str | None = None
         group_files: dict[str, tarfile.TarInfo] = {}
         groups_seen = 0
@@ -360,8 +550,21 @@ def index_shard(
         def close_group() -> None:
             if group_key is None:
                 return
+            result.samples += 1
+            result.with_image += any(k in group_files for k in image_keys)
+            result.extensions.update(list(group_files))
             record = _validate(
-                raw, tar, url, group_key, group_files, len(records), image_keys, text_keys, errors, max_image_pixels
+                raw,
+                tar,
+                url,
+                group_key,
+                group_files,
+                len(records),
+                image_keys,
+                text_keys,
+                errors,
+                max_image_pixels,
+                require_image_keys,
             )
             if record is not None:
                 records.append(record)
@@ -370,8 +573,7 @@ def index_shard(
             # "r:" (not "r:*"): uncompressed only, and TarInfo.offset_data is then an offset in the file.
             tar = tarfile.open(fileobj=raw, mode="r:")
         except (tarfile.TarError, EOFError, OSError) as err:
-            errors.error("tar_truncated", url, None, f"not a readable tar file ({err})")
-            return []
+            return damaged("tar_truncated", f"not a readable tar file ({err})")
         with tar:
             members = iter(tar)
             while True:
@@ -391,6 +593,7 @@ def index_shard(
                     elif block.count(0) != tarfile.BLOCKSIZE:
                         damage = f"invalid tar header at offset {tar.offset}"
                     break
+                _member_digest(digest, raw.fileno(), info)
                 if not info.isreg():
                     continue
                 match = _KEY_EXT.match(info.name)
@@ -414,10 +617,11 @@ def index_shard(
                 close_group()
 
     if damage is not None:
-        errors.error("tar_truncated", url, group_key, f"{damage}; keeping the {len(records)} sample(s) read before it")
-    elif groups_seen == 0:
-        errors.error("shard_empty", url, None, "the tar has no samples")
-    return records
+        return damaged("tar_truncated", f"{damage}; keeping the {len(records)} sample(s) read before it", group_key)
+    if groups_seen == 0:
+        return damaged("shard_empty", "the tar has no samples")
+    result.digest = digest.hexdigest()
+    return result
 
 
 def _validate(
@@ -431,6 +635,7 @@ def _validate(
     text_keys: tuple[str, ...],
     errors: ErrorLog,
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+    require_image_keys: bool = False,
 ) -> SampleRecord | None:
     """The record of one complete sample, or None (after reporting to ``errors``) when it is bad."""
     files = {ext: (info.offset_data, info.size) for ext, info in members.items()}
@@ -459,6 +664,11 @@ def _validate(
             errors.error("image_too_large", url, key, too_large)
             return None
     else:
+        unlisted = sorted(ext for ext in files if ext.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS)
+        if unlisted and require_image_keys:
+            detail = f"its image is under {unlisted}, which image_keys={list(image_keys)} does not list"
+            errors.error("image_key_mismatch", url, key, detail)
+            return None
         errors.notice("image_missing")  # a legal missing modality: the sample trains on its text only
     return SampleRecord(url, key, index_in_shard, files, image_key, width, height, caption)
 
@@ -501,27 +711,59 @@ def _bits_of_integer_image(mode: str, rawmode: str | None) -> int:
     return 32  # mode "I" stored as 32-bit integers
 
 
-def _to_rgb(image: Image.Image, rawmode: str | None) -> Image.Image:
-    """Convert any PIL mode to RGB with the right colours."""
-    mode = image.mode
-    if mode.startswith("I") or mode == "F":
-        values = np.asarray(image)
-        if mode == "F":
-            # Float images conventionally hold 0..1; anything larger is taken as 0..255.
-            peak = 1.0 if float(np.nanmax(values, initial=0.0)) <= 1.0 else 255.0
-        else:
-            # Scale by the bit depth (65535 -> 255 for 16-bit), not clip at 255 as Image.convert does,
-            # which turns every 16-bit value above 255 white.
-            bits = _bits_of_integer_image(mode, rawmode)
-            peak = float(2 ** (bits - 1) - 1 if bits == 32 else 2**bits - 1)  # mode "I" is signed 32-bit
-        gray = np.nan_to_num(values.astype(np.float64) * (255.0 / peak)).round().clip(0, 255).astype(np.uint8)
-        return Image.fromarray(gray).convert("RGB")
+_STRIP_PIXELS = 1 << 18
+"""Pixels converted at a time: conversions run strip by strip, so their temporaries (float64 for high bit depth,
+RGBA for transparency) are a few MiB whatever the image size, not a multiple of it."""
+
+
+def _strips(image: Image.Image) -> list[tuple[int, int, int, int]]:
+    """Boxes of horizontal strips of about ``_STRIP_PIXELS`` pixels covering ``image``."""
+    width, height = image.size
+    rows = max(1, _STRIP_PIXELS // max(width, 1))
+    return [(0, top, width, min(top + rows, height)) for top in range(0, height, rows)]
+
+
+def _high_depth_to_gray(image: Image.Image, rawmode: str | None) -> Image.Image:
+    """An ``I`` / ``I;16*`` / ``F`` image as 8-bit ``L``, scaled by its depth, converted strip by strip.
+
+    Converting the whole array at once goes through float64 temporaries (~25 bytes per pixel measured on an
+    8192 x 8192 16-bit PNG); per strip, the peak is the source pixels (2-4 B/px) plus the 1 B/px result.
+    """
+    if image.mode == "F":
+        # Float images conventionally hold 0..1; anything larger is taken as 0..255.
+        top = max(float(np.nanmax(np.asarray(image.crop(box)), initial=0.0)) for box in _strips(image))
+        peak = 1.0 if top <= 1.0 else 255.0
+    else:
+        # Scale by the bit depth (65535 -> 255 for 16-bit), not clip at 255 as Image.convert does,
+        # which turns every 16-bit value above 255 white.
+        bits = _bits_of_integer_image(image.mode, rawmode)
+        peak = float(2 ** (bits - 1) - 1 if bits == 32 else 2**bits - 1)  # mode "I" is signed 32-bit
+    gray = np.empty((image.height, image.width), dtype=np.uint8)
+    for box in _strips(image):
+        values = np.asarray(image.crop(box), dtype=np.float64)  # (float64: exact for 32-bit integers)
+        values *= 255.0 / peak
+        np.nan_to_num(values, copy=False)
+        np.clip(np.round(values, out=values), 0, 255, out=values)
+        gray[box[1] : box[3]] = values
+    # frombuffer shares the array's memory (fromarray may copy it: 1 B/px more at the peak)
+    return Image.frombuffer("L", image.size, gray, "raw", "L", 0, 1)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any 8-bit PIL mode to RGB with the right colours (high bit depth: :func:`_high_depth_to_gray` first).
+
+    Peak: the source (1-4 B/px) plus the RGB result (4 B/px: PIL stores RGB pixels in 4 bytes) plus one strip.
+    """
     if "A" in image.getbands() or "a" in image.getbands() or "transparency" in image.info:
         # Transparent pixels become white, like a page behind them; a plain convert("RGB") drops alpha and
-        # shows whatever colour the transparent pixels happen to store (usually black).
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
+        # shows whatever colour the transparent pixels happen to store (usually black). Per strip: a whole-image
+        # RGBA copy, white background and composite would add 12 B/px.
+        rgb = Image.new("RGB", image.size, (255, 255, 255))
+        for box in _strips(image):
+            piece = image.crop(box).convert("RGBA")
+            background = Image.new("RGBA", piece.size, (255, 255, 255, 255))
+            rgb.paste(Image.alpha_composite(background, piece).convert("RGB"), box[:2])
+        return rgb
     # L, 1, P without transparency, CMYK (PIL undoes Adobe's inverted CMYK when decoding), YCbCr, ...
     return image.convert("RGB")
 
@@ -533,7 +775,10 @@ def load_rgb_image(
 
     Non-RGB images (L, 1, LA, P with or without transparency, RGBA, CMYK, 16-bit I;16 / I;16B / I, F)
     are converted with the right colours and counted as ``image_converted``: transparency is
-    composited onto white, 16-bit samples are scaled by their bit depth. A decode failure (a
+    composited onto white, 16-bit samples are scaled by their bit depth. Memory is bounded for every mode:
+    conversions run in strips, and a high bit-depth source is released before its RGB copy is made, so the peak is
+    about 5 bytes per pixel for ``I`` / ``F`` / ``I;16`` (4 for 8-bit RGB, at most 8 for 4-byte modes with alpha or
+    CMYK), never the ~25 B/px of whole-image float temporaries. A decode failure (a
     truncated or corrupt image whose header was fine) is reported as ``image_corrupt``; under
     ``"skip"`` the result is then None. EXIF orientation is not applied, so the decoded size is the
     header size that :func:`index_shard` recorded and planned with. A header declaring more than
@@ -558,7 +803,12 @@ def load_rgb_image(
     if image.mode == "RGB" and "transparency" not in image.info:
         return image
     try:
-        rgb = _to_rgb(image, rawmode)
+        if image.mode.startswith("I") or image.mode == "F":
+            gray = _high_depth_to_gray(image, rawmode)
+            image.close()  # (frees the 2-4 B/px source before the 4 B/px RGB copy is made)
+            rgb = gray.convert("RGB")
+        else:
+            rgb = _to_rgb(image)
     except MemoryError:
         raise
     except Exception as err:  # e.g. a mode PIL cannot convert

@@ -147,7 +147,7 @@ def _similar_enough(raw: bytes | None, key: str, minimum: float) -> bool:
         return False
     try:
         value = json.loads(raw).get(key)
-    except (ValueError, AttributeError):  # not JSON, or not an object
+    except (ValueError, AttributeError, RecursionError):  # not JSON (or nested too deep), or not an object
         return False
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= minimum
 

@@ -70,12 +70,15 @@ from lightning_mm.datamodules.decode import (
     ERROR_KINDS,
     IMAGE_KEYS,
     TEXT_KEYS,
+    BadSampleError,
     ErrorLog,
     SampleRecord,
+    ShardIndex,
+    account_damaged_shards,
     check_image_pixels,
-    index_shard,
     load_rgb_image,
     read_sample_files,
+    scan_shard,
 )
 from lightning_mm.datamodules.filters import FILTER_KINDS, QualityFilters, describe_counts
 from lightning_mm.datamodules.regroup import (
@@ -538,12 +541,27 @@ class _PlannedSplit(IterableDataset):
             # Counts travel with the batch to the main process (read in on_before_batch_transfer).
             batch.data_errors = {kind: count for kind, count in errors.counts.items() if count}
             batch.data_error_examples = dict(errors.examples)
+            batch.data_error_shards, errors.by_shard = errors.by_shard, {}
             batch.step_balance = plan.step_balance[position]
             errors.counts = dict.fromkeys(errors.counts, 0)
             yield batch
 
     def _load_sample(self, index: int, errors: ErrorLog, cap: int) -> PatchedSample | None:
+        """One sample, or None when it is bad: every per-sample failure is a counted skip naming the shard and the
+        key (under ``on_error="skip"``), never an exception that ends the split."""
         record = self.records[index]
+        try:
+            return self._decode_sample(index, record, errors, cap)
+        except (BadSampleError, MemoryError):  # (on_error="raise"; memory is the process's problem, not the sample's)
+            raise
+        except Exception as err:
+            # OSError: the shard changed since it was indexed (read_sample_files names what it expected); anything
+            # else a decoder, patchify or the tokenizer raises for this sample's content.
+            kind = "sample_unreadable" if isinstance(err, OSError) else "sample_failed"
+            errors.error(kind, record.url, record.key, f"{type(err).__name__}: {str(err)[:300]}")
+            return None
+
+    def _decode_sample(self, index: int, record: SampleRecord, errors: ErrorLog, cap: int) -> PatchedSample | None:
         cfg = self.config
         files = read_sample_files(record)
         if record.image_key is None:
@@ -553,7 +571,11 @@ class _PlannedSplit(IterableDataset):
             if image is None:  # corrupt body behind a valid header: skipped and counted
                 return None
             patches, positions = patchify(image, cfg["patch_size"], cap)
-        tokens = self.tokenizer.encode(record.caption, cfg["max_text_tokens"])
+        try:
+            tokens = self.tokenizer.encode(record.caption, cfg["max_text_tokens"])
+        except Exception as err:  # (indexing tokenized it already; a tokenizer may still refuse it here)
+            errors.error("caption_untokenizable", record.url, record.key, f"{type(err).__name__}: {str(err)[:300]}")
+            return None
         return PatchedSample(index, patches, positions, tokens)
 
     def _load(self, rows: list[list[int]], segments: int, errors: ErrorLog, caps: dict[int, int]) -> MultimodalBatch:
@@ -586,6 +608,35 @@ class _PlannedSplit(IterableDataset):
         if not loaded:
             return _all_padding(1, 1, 2, 1, cfg["patch_size"], self.tokenizer.pad_id)
         return collate_one_per_row([row[0] for row in loaded], self.tokenizer.pad_id)
+
+
+def _fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's data fingerprint and this run's (``ImageTextWebDataModule._fingerprint``),
+    one reason per part; empty when the saved position is valid for this run. The parts a checkpoint from an older
+    version lacks (shard content, decode settings) cannot be compared and are not."""
+    reasons = []
+    if saved["shards"] != now["shards"]:
+        reasons.append("the train shards (names and sizes) differ from the checkpoint's")
+    elif "content" in saved and saved["content"] != now["content"]:
+        pairs = zip(saved.get("shard_content", []), now["shard_content"], strict=False)  # (same names: same length)
+        changed = [name for (name, before), (_, after) in pairs if before != after]
+        named = f" {changed[:5]}" + (f" and {len(changed) - 5} more" if len(changed) > 5 else "") if changed else ""
+        reasons.append(
+            f"the content of train shard(s){named} changed since the checkpoint (same names and sizes: rewritten "
+            "with other samples)"
+        )
+    # (older checkpoints list data_parallel_size among the settings; the global count made it irrelevant)
+    saved_plan = {k: v for k, v in saved["plan_config"].items() if k != "data_parallel_size"}
+    changed = sorted(k for k in {**saved_plan, **now["plan_config"]} if saved_plan.get(k) != now["plan_config"].get(k))
+    if changed:
+        reasons.append(f"batching settings changed: {changed}")
+    if "decode" in saved:
+        before, after = saved["decode"], now["decode"]
+        changed = sorted(k for k in {**before, **after} if before.get(k) != after.get(k))
+        if changed:
+            what = " (another tokenizer)" if "tokenizer" in changed else ""
+            reasons.append(f"decode settings changed: {changed}{what}")
+    return reasons
 
 
 def _all_padding(rows: int, patches: int, tokens: int, segments: int, patch_size: int, pad_id: int) -> MultimodalBatch:
@@ -681,8 +732,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
             ``image_too_large`` before any pixel is decoded (default 8192 x 8192; None: PIL's own limit only).
         max_skipped_fraction: the run fails, printing the skip summary, when more than this fraction of a split's
             samples is skipped as bad (at indexing, or when decoding an epoch); 0 fails on any skip, 1 never.
-        require_images: fail when the image keys match no file of the first shard (the run would otherwise train
-            on text alone without a word); set False for a deliberately text-only dataset.
+        require_images: fail when the image keys match no file of a shard, naming it and the extensions its
+            samples hold (the run would otherwise train on text alone without a word), and skip (counted, per shard
+            in the summary: ``image_key_mismatch``) samples whose image file has an extension ``image_keys`` does not
+            list; set False for a deliberately text-only dataset.
         allow_replan: on resume, a checkpoint taken with other shards or other batching settings is refused (its
             position counts batches of a different plan); True restarts that epoch with the new plan instead
             (samples of the epoch seen before the checkpoint are then seen again), with a warning.
@@ -846,6 +899,9 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._resume_world: int | None = None
         self._budgets: tuple[int, int] | None = None
         self._curriculum_printed: int | None = None
+        self._known_samples: dict[str, int] = {}  # shard -> samples, from a manifest (damaged-shard accounting)
+        self._shard_digests: dict[str, str] = {}  # train shard -> content digest taken at indexing (fingerprint)
+        self._tokenizer_digest: str | None = None
         self.filter_counts: dict[str, int] = dict.fromkeys(FILTER_KINDS, 0)
         """Training samples each quality filter dropped at indexing (:data:`~lightning_mm.datamodules.filters.
         FILTER_KINDS`)."""
@@ -929,6 +985,12 @@ class ImageTextWebDataModule(L.LightningDataModule):
                     )
             return expanded, hp.tokenizer
         dataset = load_manifest(hp.data_dir, hp.synthetic_preset)
+        # (what a damaged shard held, for counting its lost samples: see decode.account_damaged_shards)
+        self._known_samples = {
+            url: count
+            for split in dataset.shards
+            for url, count in zip(dataset.shards[split], dataset.samples_per_shard[split], strict=True)
+        }
         return dataset.shards, hp.tokenizer or dataset.tokenizer
 
     def _index(self, split: str) -> tuple[list[SampleRecord], list[tuple[int, int]]]:
@@ -938,29 +1000,31 @@ class ImageTextWebDataModule(L.LightningDataModule):
         hp = self.hparams
         image_keys = tuple(hp.image_keys or IMAGE_KEYS)
         text_keys = tuple(hp.text_keys or TEXT_KEYS)
-        since = dict(self.error_log.counts)
-        records: list[SampleRecord] = []
-        for position, url in enumerate(shards[split]):
-            found = index_shard(url, self.error_log, image_keys, text_keys, hp.max_image_pixels)
-            if position == 0 and found and hp.require_images and not any(r.image_key for r in found):
-                extensions = sorted({ext for r in found for ext in r.files})
-                raise ValueError(
-                    f"image_keys={list(image_keys)} match no file of the {len(found)} samples of the first {split} "
-                    f"shard {url!r}, whose samples hold {extensions}: the run would train on text alone. Set "
-                    "image_keys to the image extension, or require_images=False for a text-only dataset"
-                )
-            records.extend(found)
+        since, since_shards = dict(self.error_log.counts), self.error_log.shard_snapshot()
+        indexes: list[ShardIndex] = []
+        for url in shards[split]:
+            index = scan_shard(url, self.error_log, image_keys, text_keys, hp.max_image_pixels, hp.require_images)
+            self._check_image_keys(split, index, image_keys)
+            indexes.append(index)
+        # A damaged shard counts the samples it lost, known from the manifest or estimated from its intact siblings.
+        account_damaged_shards(indexes, self.error_log, self._known_samples, "the dataset's manifest.json")
+        if split == "train":
+            self._shard_digests = {index.url: index.digest for index in indexes}
+        records = [record for index in indexes for record in index.records]
+        records, encoded = self._tokenize(records)
         skipped = self.error_log.skipped - sum(since[kind] for kind in ERROR_KINDS)
-        self._report(f"data ({split}, indexed)", skipped, len(records) + skipped, since)  # same on every rank
+        kept = Counter(record.url for record in records)
+        # (same on every rank)
+        self._report(
+            f"data ({split}, indexed)", skipped, len(records) + skipped, since, since_shards=since_shards, kept=kept
+        )
         if not records:
             raise ValueError(
                 f"{split}_urls: no valid sample in {len(shards[split])} shard(s); error counts: {self.error_log.counts}"
             )
         lengths = []
-        tokenizer = self.tokenizer
-        encoded = tokenizer.tokenizer.encode_batch([r.caption for r in records], add_special_tokens=False)
         if split == "train" and self._filters.active:
-            kept, counts = self._filters.apply(records, [len(e.ids) for e in encoded])
+            kept, counts = self._filters.apply(records, [len(e) for e in encoded])
             self.filter_counts = counts
             message = describe_counts(counts, len(records))
             if message is not None and self._global_rank() == 0:
@@ -968,22 +1032,67 @@ class ImageTextWebDataModule(L.LightningDataModule):
             if not kept:
                 raise ValueError(f"filters drop all {len(records)} {split} samples ({counts}); loosen them")
             records, encoded = [records[i] for i in kept], [encoded[i] for i in kept]
-        for record, encoding in zip(records, encoded, strict=True):
+        for record, ids in zip(records, encoded, strict=True):
             rows, cols = (
                 patch_grid(record.height, record.width, hp.patch_size, hp.max_patches_per_image)
                 if record.image_key is not None
                 else (0, 0)
             )
-            if len(encoding.ids) + 2 > hp.max_text_tokens:
+            if len(ids) + 2 > hp.max_text_tokens:
                 self.error_log.notice("caption_truncated")
-            lengths.append((rows * cols, min(len(encoding.ids) + 2, hp.max_text_tokens)))
+            lengths.append((rows * cols, min(len(ids) + 2, hp.max_text_tokens)))
         self._splits[split] = (records, lengths)
         return self._splits[split]
 
+    def _check_image_keys(self, split: str, index: ShardIndex, image_keys: tuple[str, ...]) -> None:
+        """Fail on a shard whose samples hold no file under ``image_keys`` (``require_images``): every shard is
+        checked, since a dataset can change key from one shard to the next (a later shard under another key would
+        train on text alone). Samples under another key in a shard that also holds listed ones are counted skips
+        (``image_key_mismatch``), shown per shard in the summary."""
+        if not self.hparams.require_images or not index.samples or index.with_image:
+            return
+        extensions = sorted(index.extensions)
+        raise ValueError(
+            f"image_keys={list(image_keys)} match no file of the {index.samples} samples of the {split} shard "
+            f"{index.url!r}, whose samples hold {extensions}: the run would train on text alone. Set image_keys to "
+            "the image extension(s) of every shard, or require_images=False for a text-only dataset"
+        )
+
+    def _tokenize(self, records: list[SampleRecord]) -> tuple[list[SampleRecord], list[list[int]]]:
+        """The records the tokenizer accepts and their caption ids; a caption it refuses is a counted skip
+        (``caption_untokenizable``) naming the shard and the key, not an error for the whole split."""
+        tokenizer = self.tokenizer.tokenizer
+        captions = [r.caption for r in records]
+        try:
+            return records, [e.ids for e in tokenizer.encode_batch(captions, add_special_tokens=False)]
+        except Exception:  # (one bad caption fails the whole batch call: find it, one caption at a time)
+            pass
+        kept, encoded = [], []
+        for record in records:
+            try:
+                ids = tokenizer.encode(record.caption, add_special_tokens=False).ids
+            except Exception as err:
+                detail = f"the tokenizer refuses the caption ({type(err).__name__}: {str(err)[:200]})"
+                self.error_log.error("caption_untokenizable", record.url, record.key, detail)
+                continue
+            kept.append(record)
+            encoded.append(ids)
+        return kept, encoded
+
     # ------------------------------------------------------------------------------------ accounting
 
-    def _report(self, what: str, skipped: int, total: int, since: dict[str, int], collective: bool = False) -> None:
-        """Print the skip summary and fail over the threshold.
+    def _report(
+        self,
+        what: str,
+        skipped: int,
+        total: int,
+        since: dict[str, int],
+        collective: bool = False,
+        since_shards: dict[str, dict[str, int]] | None = None,
+        kept: dict[str, int] | None = None,
+    ) -> None:
+        """Print the skip summary (in samples, with the per-shard counts since ``since_shards``) and fail over the
+        threshold.
 
         ``collective``: the counts are this rank's (a pass over its own batches); they are summed over the
         data-parallel group first, so every rank decides alike (one raising alone would leave the others waiting
@@ -995,7 +1104,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             skipped, total = self._sum_over_data_parallel(skipped, total)
         if rank == 0:
             # With `collective`, the headline counts every data-parallel rank, the kinds below this one.
-            _print(self.error_log.summary(what, total, since, skipped))
+            _print(self.error_log.summary(what, total, since, skipped, since_shards, kept))
         if total and skipped / total > self.hparams.max_skipped_fraction:
             raise ValueError(
                 f"{what}: {skipped} of {total} samples ({100 * skipped / total:.2f} %) were skipped as bad, more "
@@ -1023,10 +1132,15 @@ class ImageTextWebDataModule(L.LightningDataModule):
         if counts:
             self.error_log.merge(counts)
             self.error_log.merge_examples(getattr(batch, "data_error_examples", {}))
+            self.error_log.merge_shards(getattr(batch, "data_error_shards", {}))
         self._passes[split]["loaded"] += batch.num_samples
 
     def _start_pass(self, split: str) -> None:
-        self._passes[split] = {"loaded": 0, "since": dict(self.error_log.counts)}
+        self._passes[split] = {
+            "loaded": 0,
+            "since": dict(self.error_log.counts),
+            "since_shards": self.error_log.shard_snapshot(),
+        }
 
     def _end_pass(self, split: str, dataset: _PlannedSplit) -> None:
         record = self._passes[split]
@@ -1034,7 +1148,9 @@ class ImageTextWebDataModule(L.LightningDataModule):
         skipped = sum(self.error_log.counts[kind] - since[kind] for kind in ERROR_KINDS)
         step = getattr(self.trainer, "global_step", 0) if self.trainer is not None else 0
         what = f"data ({split}, epoch {self._current_epoch()})" if split == "train" else f"data ({split}, step {step})"
-        self._report(what, skipped, record["loaded"] + skipped, since, collective=True)
+        self._report(
+            what, skipped, record["loaded"] + skipped, since, collective=True, since_shards=record["since_shards"]
+        )
         plan = dataset.plan(dataset.epoch)
         rank = self._global_rank()
         if split == "train" and rank == 0:
@@ -1072,12 +1188,38 @@ class ImageTextWebDataModule(L.LightningDataModule):
         return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
     def _fingerprint(self) -> dict[str, Any]:
-        """What the saved stream position depends on: the train shards (names and sizes) and the plan settings."""
+        """What the saved stream position depends on: the train shards (names and sizes), their content, the plan
+        settings and what decoding makes of a sample (:func:`_fingerprint_changes` compares two)."""
         shards, _ = self._sources()
         listing = [[Path(u).name, Path(u).stat().st_size if Path(u).is_file() else -1] for u in shards["train"]]
         # The position counts global batches of this plan, whatever the number of data-parallel ranks.
         plan = self.regroup_config()
-        return {"shards": self._digest(listing), "plan": self._digest(plan), "plan_config": plan}
+        self._index("train")  # (the content digests are taken while indexing: no extra pass over the shards)
+        digests = [self._shard_digests.get(u, "") for u in shards["train"]]
+        return {
+            "shards": self._digest(listing),
+            "plan": self._digest(plan),
+            "plan_config": plan,
+            # One digest over every shard's (decode.ShardIndex.digest), and a short one per shard to name a change.
+            "content": self._digest(digests),
+            "shard_content": [[Path(u).name, d[:16]] for u, d in zip(shards["train"], digests, strict=True)],
+            "decode": self._decode_settings(),
+        }
+
+    def _decode_settings(self) -> dict[str, Any]:
+        """What turns a record into a sample besides the plan: the tokenizer (a digest of its whole definition) and
+        the decode and key settings."""
+        hp = self.hparams
+        if self._tokenizer_digest is None:
+            definition = self.tokenizer.tokenizer.to_str()
+            self._tokenizer_digest = hashlib.sha256(definition.encode()).hexdigest()[:16]
+        return {
+            "tokenizer": self._tokenizer_digest,
+            "image_keys": list(hp.image_keys or IMAGE_KEYS),
+            "text_keys": list(hp.text_keys or TEXT_KEYS),
+            "max_image_pixels": hp.max_image_pixels,
+            "require_images": hp.require_images,
+        }
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -1343,17 +1485,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._steps_done = int(state_dict.get("steps", start_step + batches))
         self._resume_world = int(saved_world)  # the ranks the consumed batches were dealt to (balance=True)
         if saved is not None:
-            now = self._fingerprint()
-            reasons = []
-            if saved["shards"] != now["shards"]:
-                reasons.append("the train shards (names and sizes) differ from the checkpoint's")
-            # (older checkpoints list data_parallel_size among the settings; the global count made it irrelevant)
-            saved_plan = {k: v for k, v in saved["plan_config"].items() if k != "data_parallel_size"}
-            changed = sorted(
-                k for k in {**saved_plan, **now["plan_config"]} if saved_plan.get(k) != now["plan_config"].get(k)
-            )
-            if changed:
-                reasons.append(f"batching settings changed: {changed}")
+            reasons = _fingerprint_changes(saved, self._fingerprint())
             if reasons:
                 if not self.hparams.allow_replan:
                     raise ValueError(
