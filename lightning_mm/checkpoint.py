@@ -156,7 +156,8 @@ def safe_load(path: str | Path | io.BytesIO, what: str, weights_only: bool | Non
         reason = str(error).strip().splitlines()
         detail = next((line for line in reason if "GLOBAL" in line or "Unsupported" in line), None)
         if detail is None or _is_unknown_opcode(detail):  # not a refused object: a damaged file
-            raise CorruptCheckpointError(f"{what} is corrupt or truncated and cannot be read ({error})") from error
+            reason = (detail or (reason[-1] if reason else type(error).__name__)).strip()
+            raise CorruptCheckpointError(f"{what} is corrupt or truncated and cannot be read ({reason})") from error
         raise UnsafeCheckpointError(
             f"refusing to load {what}: it holds objects that torch.load(weights_only=True) does not admit "
             f"({detail.strip()}), and unpickling them could run arbitrary code; {_OPT_IN}"
@@ -757,8 +758,12 @@ class SafeFileSystemReader(FileSystemReader):
         self.fs.opened = None
         try:
             return super().read_data(plan, planner)
-        except CheckpointError:
-            raise
+        except CheckpointError as error:
+            where = self.fs.opened or str(self.path)
+            if where in str(error):
+                raise
+            # (a refused or damaged entry names its key only: say which file it came from)
+            raise type(error)(f"{where}: {error}") from error
         except Exception as error:
             # Metadata and model agree here (DCP planned the read), so a failure to read or decode is the file's.
             where = self.fs.opened or str(self.path)
@@ -1197,7 +1202,8 @@ def load_sharded(
         path,
         weights_only,
     )
-    set_model_state_dict(model, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
+    with _applying(path, "model"):
+        set_model_state_dict(model, model_state[MODEL_KEY], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         # get_optimizer_state_dict initialises empty optimizer state first, so every entry has a target tensor.
         optimizer_state = {_optimizer_key(index): get_optimizer_state_dict(model, optimizer)}
@@ -1208,8 +1214,22 @@ def load_sharded(
             path,
             weights_only,
         )
-        set_optimizer_state_dict(model, optimizer, optimizer_state[_optimizer_key(index)])
+        with _applying(path, f"optimizer {index}"):
+            set_optimizer_state_dict(model, optimizer, optimizer_state[_optimizer_key(index)])
     return metadata
+
+
+@contextmanager
+def _applying(path: Path, what: str) -> Generator[None, None, None]:
+    """Errors of torch's ``set_*_state_dict`` on what a checkpoint held (e.g. a ``param_groups`` entry of another
+    type) are the checkpoint's: raised as :class:`CheckpointMismatchError` naming it."""
+    try:
+        yield
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as error:
+        raise CheckpointMismatchError(
+            f"checkpoint {str(path)!r}: its {what} state does not fit the {what} it is loaded into "
+            f"({type(error).__name__}: {error})"
+        ) from error
 
 
 def optimizer_state_by_index(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -117,7 +117,9 @@ def test_a_path_object_in_metadata_is_refused_not_followed(tmp_path):
     }
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(metadata))
     _reseal(tmp_path / "ck")
-    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.metadata (sets state on|points a shard at) pathlib\.PosixPath"):
+    with pytest.raises(
+        ckpt.UnsafeCheckpointError, match=r"\.metadata (sets state on|points a shard at) pathlib\.PosixPath"
+    ):
         _load(tmp_path / "ck")
 
 
