@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -108,24 +109,37 @@ def test_a_truncated_shard_counts_the_samples_it_lost_and_fails_the_one_percent_
 
 def test_an_empty_shard_counts_a_shard_of_samples(ten_shards):
     (ten_shards.root / "train-000007.tar").write_bytes(b"")
-    errors = ErrorLog()
-    indexes = [scan_shard(str(ten_shards.root / f"train-{i:06d}.tar"), errors) for i in range(10)]
-    account_damaged_shards(indexes, errors)
-    assert errors.counts["shard_empty"] == 100 and errors.skipped == 100
+    dm = _dm(ten_shards.train, ten_shards.val, max_skipped_fraction=0.2)
+    assert len(dm._index("train")[0]) == 900
+    assert dm.error_log.counts["shard_empty"] == 100 and dm.error_log.skipped == 100  # (was 1)
 
 
-def test_a_known_count_is_used_and_said(ten_shards):
-    url = str(ten_shards.root / "train-000000.tar")
-    Path(url).write_bytes(Path(url).read_bytes()[:20000])
-    errors = ErrorLog()
-    index = scan_shard(url, errors)
-    account_damaged_shards([index], errors, {url: 100}, "manifest.json")
-    assert errors.counts["tar_truncated"] == 100 - index.samples
-    assert "the shard held 100 (known from manifest.json)" in errors.shard_notes[url]
-    # alone and unknown: a lower bound, said as such
+def test_a_count_known_from_the_manifest_is_used_and_said(ten_shards, capsys):
+    root = ten_shards.root
+    shutil.copy(_tokenizer(), root / "tokenizer.json")
+    splits = {
+        "train": {"shards": [f"train-{i:06d}.tar" for i in range(10)], "samples_per_shard": [100] * 10},
+        "val": {"shards": ["val-000000.tar"], "samples_per_shard": [8]},
+    }
+    (root / "manifest.json").write_text(json.dumps({"splits": splits, "tokenizer": "tokenizer.json"}))
+    cut = root / "train-000000.tar"
+    cut.write_bytes(cut.read_bytes()[:20000])
+    dm = ImageTextWebDataModule(
+        data_dir=str(root),
+        patch_size=8,
+        max_patches_per_image=8,
+        max_text_tokens=32,
+        regroup="none",
+        batch_size=4,
+        max_skipped_fraction=0.2,
+    )
+    records, _ = dm._index("train")
+    assert dm.error_log.counts["tar_truncated"] == 1000 - len(records)  # exactly what the manifest says it held
+    assert "the shard held 100 (known from the dataset's manifest.json)" in capsys.readouterr().err
+    # one shard alone, its count unknown: a lower bound, said as such
     alone = ErrorLog()
-    account_damaged_shards([scan_shard(url, alone)], alone)
-    assert alone.counts["tar_truncated"] == 1 and "at least 1 sample(s) lost" in alone.shard_notes[url]
+    account_damaged_shards([scan_shard(str(cut), alone)], alone)
+    assert alone.counts["tar_truncated"] == 1 and "at least 1 sample(s) lost" in alone.shard_notes[str(cut)]
 
 
 # ---------------------------------------------------------------------- item 6: the fingerprint covers the sample
