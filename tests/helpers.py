@@ -1,5 +1,15 @@
 """Shared test helpers: run a function on N gloo ranks (``lightning_mm.testing.launch``); tiny synthetic batches; a loss
-recorder."""
+recorder; float64 trainers and the float32 noise-floor check of the parity tests.
+
+Parity tests (a mesh == one process) train in float64: the mesh and the one process then differ by float64
+rounding of a different reduction order (~1e-15 relative per operation), far below any tolerance they state, on
+any machine and thread count. A few float32 runs are kept for the dtype users train in; their tolerance is a noise
+floor measured in the same test (:func:`assert_float32_noise`), not a number tuned to one machine's rounding.
+
+``LIGHTNING_MM_TEST_THREADS=N`` sets the intra-op threads of the test process (the one-process references) and of
+every spawned rank (default: torch's default here, 1 in the ranks), to run the parity tests under other reduction
+orders: ``LIGHTNING_MM_TEST_THREADS=1 pytest ...`` and ``LIGHTNING_MM_TEST_THREADS=2 pytest ...``.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +18,28 @@ from collections.abc import Sequence
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import DoublePrecision
 from torch.distributed.tensor import DTensor
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.stages import PatchedSample, collate_one_per_row
-from lightning_mm.testing.launch import free_port, run_distributed
+from lightning_mm.testing.launch import free_port, run_distributed, test_threads
 
 __all__ = [
     "LossRecorder",
+    "assert_float32_noise",
     "free_port",
     "full_copy",
+    "precision_settings",
     "quiet_trainer",
     "random_samples",
+    "relative_error",
     "run_distributed",
     "shard_batches",
 ]
+
+if (_threads := test_threads()) is not None:
+    torch.set_num_threads(_threads)  # the one-process references of this test process
 
 
 def random_samples(
@@ -83,10 +100,22 @@ def full_copy(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-def quiet_trainer(devices: int, strategy, max_steps: int, callbacks=(), **overrides) -> L.Trainer:
+def precision_settings(precision: str) -> dict:
+    """Trainer arguments for ``precision``. ``"64-true"`` goes in as Lightning's ``DoublePrecision`` plugin, which
+    converts the module and every floating batch tensor to float64: Lightning refuses the string itself for
+    ``ModelParallelStrategy`` subclasses (``HybridParallelStrategy``), not the plugin; one way for both sides of a
+    parity test."""
+    return {"plugins": [DoublePrecision()]} if precision == "64-true" else {"precision": precision}
+
+
+def quiet_trainer(
+    devices: int, strategy, max_steps: int, callbacks=(), precision: str = "32-true", **overrides
+) -> L.Trainer:
     """A CPU Trainer for tests: no logger, checkpointing, progress bar, model summary, sanity check or validation, and
-    no injected distributed sampler (tests shard their batches by hand); ``overrides`` win."""
+    no injected distributed sampler (tests shard their batches by hand); ``precision`` as :func:`precision_settings`;
+    ``overrides`` win."""
     settings = {
+        **precision_settings(precision),
         "logger": False,
         "enable_checkpointing": False,
         "enable_progress_bar": False,
@@ -103,3 +132,31 @@ def quiet_trainer(devices: int, strategy, max_steps: int, callbacks=(), **overri
         callbacks=list(callbacks),
         **{**settings, **overrides},
     )
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``|actual - expected| / |expected|`` in the Frobenius norm (float64 arithmetic)."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp(min=1e-300)).item()
+
+
+def assert_float32_noise(
+    actual: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor, factor: float, name: str = ""
+) -> None:
+    """A float32 parallel result is as accurate as the float32 one-process result: its distance (norm) from the
+    float64 one-process result ``exact`` is at most ``factor`` times the distance of the float32 one-process
+    ``reference`` from it.
+
+    The floor ``|reference - exact|`` is float32 rounding measured in the same test, on this machine and thread
+    count (CPU kernels, reduction order and AdamW's amplification of near-zero gradients differ between machines;
+    a floor measured here moves with them). A lost, doubled or mis-scaled update is orders of magnitude above it.
+    """
+    exact = exact.double()
+    floor = (reference.double() - exact).norm().item()
+    distance = (actual.double() - exact).norm().item()
+    assert floor > 0, f"{name}: the float32 reference equals the float64 one bit for bit; no noise floor to use"
+    assert distance <= factor * floor, (
+        f"{name}: float32 parallel run is {distance:.3e} from the float64 result, more than {factor} x the float32 "
+        f"one-process run's {floor:.3e}"
+    )
+    return distance / floor

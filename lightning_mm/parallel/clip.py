@@ -25,11 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_mm.parallel.collectives import at_least_float32
+
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 
 def _combine(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    stacked = torch.stack([norm.float() for norm in norms])
+    stacked = torch.stack([at_least_float32(norm) for norm in norms])
     if math.isinf(norm_type):
         return stacked.max()
     return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
@@ -40,7 +42,8 @@ def total_grad_norm(
     norm_type: float = 2.0,
     extra_groups: Sequence[dist.ProcessGroup] = (),
 ) -> torch.Tensor:
-    """The ``norm_type``-norm of all gradients of ``parameters`` as if they were unsharded; a 0-d fp32 tensor.
+    """The ``norm_type``-norm of all gradients of ``parameters`` as if they were unsharded; a 0-d tensor
+    (float32, float64 for float64 gradients).
 
     Every rank of the mesh must call this (it communicates over the DTensor meshes and ``extra_groups``).
     """

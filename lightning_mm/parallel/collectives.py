@@ -1,4 +1,4 @@
-"""Small collectives the losses need (plain torch.distributed; no Lightning imports).
+"""Small collectives the losses need, and the dtype they compute in (plain torch.distributed; no Lightning imports).
 
 Every function accepts ``group=None`` meaning "one process": then it is the identity, so the same
 loss code runs in a hand-written loop, under DDP, and on the data-parallel axes of an N-D mesh.
@@ -9,7 +9,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "all_reduce_sum", "all_gather_with_grad"]
+__all__ = ["all_gather_with_grad", "all_reduce_sum", "at_least_float32", "group_size"]
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` upcast to float32 for a loss or a reduction (bf16 / fp16 lose small terms), never *down*: a float64
+    model keeps float64, which its parity checks rely on (``x.float()`` would round them to float32 again)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

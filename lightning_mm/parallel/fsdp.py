@@ -33,7 +33,7 @@ __all__ = [
     "transformer_blocks",
 ]
 
-SUPPORTED_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+SUPPORTED_PRECISIONS: tuple[str, ...] = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed")
 """Lightning-style precision strings :func:`mixed_precision_policy` understands."""
 
 
@@ -41,6 +41,8 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
     """FSDP2 mixed-precision policy for a Lightning-style ``precision`` string.
 
     - ``"32-true"``: ``None`` (fp32 parameters, compute and gradient reduction; FSDP's default policy).
+    - ``"64-true"``: ``None`` likewise, in float64 (FSDP keeps the parameters' own dtype); used by the parity tests,
+      whose mesh-vs-one-process differences then sit far below float32 rounding on any machine.
     - ``"bf16-mixed"``: bf16 parameters for compute (FSDP casts them at all-gather time), fp32 gradient
       reduction, so summing over many ranks does not lose the small gradients; the sharded master weights
       and the optimizer state stay fp32.
@@ -48,7 +50,7 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
 
     Any other value raises ``ValueError`` naming ``precision`` and listing :data:`SUPPORTED_PRECISIONS`.
     """
-    if precision == "32-true":
+    if precision in ("32-true", "64-true"):
         return None
     if precision == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_mm.parallel.collectives import at_least_float32
+
 if TYPE_CHECKING:
     from lightning_mm.parallel.pipeline import PipelineSplit
 
@@ -101,11 +103,11 @@ class MeanLossObjective(PipelineObjective):
 
     def microbatch_loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = self.loss_fn(output, target) / self.microbatches
-        self._parts.append(loss.detach().float())
+        self._parts.append(at_least_float32(loss.detach()))
         return loss
 
     def observe(self, output: Any, target: Any) -> None:  # validation
-        self._parts.append(self.loss_fn(output, target).detach().float() / self.microbatches)
+        self._parts.append(at_least_float32(self.loss_fn(output, target).detach()) / self.microbatches)
 
     def values(self) -> dict[str, torch.Tensor]:
         # The last `microbatches` parts: on the first step torch's pipelining calls the loss once more, before the

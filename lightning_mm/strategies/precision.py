@@ -12,13 +12,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mm.parallel.clip import clip_grad_norm_
 
-__all__ = ["MeshFP16Precision", "MeshHalfPrecision", "MeshMixedPrecision", "MeshPrecision", "with_mesh_clipping"]
+__all__ = [
+    "MeshDoublePrecision",
+    "MeshFP16Precision",
+    "MeshHalfPrecision",
+    "MeshMixedPrecision",
+    "MeshPrecision",
+    "with_mesh_clipping",
+]
 
 
 class _MeshClipping:
@@ -33,6 +40,11 @@ class _MeshClipping:
 
 class MeshPrecision(_MeshClipping, Precision):
     """``precision="32-true"`` with mesh-wide clipping."""
+
+
+class MeshDoublePrecision(_MeshClipping, DoublePrecision):
+    """``precision="64-true"`` with mesh-wide clipping. Lightning refuses the string for ``ModelParallelStrategy``
+    subclasses, so it is passed as a plugin: ``Trainer(plugins=[DoublePrecision()])`` (or this class)."""
 
 
 class MeshHalfPrecision(_MeshClipping, HalfPrecision):
@@ -69,6 +81,7 @@ class MeshFP16Precision(MeshMixedPrecision):
 
 _MESH_CLASSES: dict[type, type] = {
     Precision: MeshPrecision,
+    DoublePrecision: MeshDoublePrecision,
     HalfPrecision: MeshHalfPrecision,
     MixedPrecision: MeshMixedPrecision,
 }
@@ -82,7 +95,7 @@ def with_mesh_clipping(plugin: Precision, norm_groups: Callable[[], tuple[dist.P
     cls = _MESH_CLASSES.get(type(plugin))
     if cls is None:
         raise TypeError(
-            f"HybridParallelStrategy supports Lightning's Precision, HalfPrecision and MixedPrecision "
+            f"HybridParallelStrategy supports Lightning's Precision, DoublePrecision, HalfPrecision and MixedPrecision "
             f"plugins (Trainer(precision=...)), got {type(plugin).__name__}"
         )
     mesh_plugin = cls.__new__(cls)

@@ -3,6 +3,10 @@
 ``run_distributed(fn, world, *args)`` spawns ``world`` processes with torchrun's environment variables and an
 initialised gloo process group, so a Lightning ``Trainer(devices=world)`` inside ``fn`` joins those processes
 instead of launching its own. Plain torch; no Lightning import.
+
+Each rank runs with one intra-op thread unless the environment variable ``LIGHTNING_MM_TEST_THREADS`` names another
+count (:func:`test_threads`): parity tests are run with 1 and 2 threads to show that their claims do not depend on
+the reduction order a thread count implies.
 """
 
 from __future__ import annotations
@@ -21,13 +25,28 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["THREADS_ENV", "free_port", "run_distributed", "test_threads"]
+
+THREADS_ENV = "LIGHTNING_MM_TEST_THREADS"
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_threads(default: int | None = None) -> int | None:
+    """The intra-op thread count ``LIGHTNING_MM_TEST_THREADS`` asks for (a positive integer), else ``default``."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{THREADS_ENV}={value!r} must be a positive integer (the intra-op threads of each process)")
+    return int(value)
+
+
+test_threads.__test__ = False  # a helper, not a pytest test (its name starts with "test")
 
 
 def _rank_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout: float, results) -> None:
@@ -41,7 +60,8 @@ def _rank_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeo
         NODE_RANK="0",
         GROUP_RANK="0",
     )
-    torch.set_num_threads(1)  # ranks share the machine's cores; oversubscription makes runs slow, not wrong
+    # Ranks share the machine's cores: one thread each by default (oversubscription makes runs slow, not wrong).
+    torch.set_num_threads(test_threads(1))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         # Serialized to bytes: a tensor put on the queue directly travels as a shared-memory handle,

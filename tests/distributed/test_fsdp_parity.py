@@ -155,8 +155,9 @@ def test_mixed_precision_policy():
     assert (true.param_dtype, true.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
     half = mixed_precision_policy("16-mixed")  # with MeshFP16Precision's loss scaling
     assert (half.param_dtype, half.reduce_dtype) == (torch.float16, torch.float32)
-    with pytest.raises(ValueError, match="precision='64-true'") as info:
-        mixed_precision_policy("64-true")
+    assert mixed_precision_policy("64-true") is None  # float64 parameters, compute and reduction (parity tests)
+    with pytest.raises(ValueError, match="precision='16-true'") as info:
+        mixed_precision_policy("16-true")
     assert all(value in str(info.value) for value in SUPPORTED_PRECISIONS)
 
 

@@ -44,7 +44,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
-from lightning_mm.parallel.collectives import all_reduce_sum, group_size
+from lightning_mm.parallel.collectives import all_reduce_sum, at_least_float32, group_size
 from lightning_mm.parallel.pipeline import PipelineSplit, prune_units
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, PipelineSpec
 
@@ -280,8 +280,10 @@ def as_causal_lm_batch(batch: Any) -> dict[str, torch.Tensor]:
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy (fp32). ``logits (R, T, V)``, ``targets (R, T)`` with ``-100`` = no loss."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    """Summed next-token cross entropy (at least fp32). ``logits (R, T, V)``, ``targets (R, T)``, ``-100`` = no loss."""
+    return F.cross_entropy(
+        at_least_float32(logits).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def token_normalizer(targets: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
 from lightning_mm.models.vlm.model import RouterStats, VLMOutput
-from lightning_mm.parallel.collectives import all_gather_with_grad, all_reduce_sum, group_size
+from lightning_mm.parallel.collectives import all_gather_with_grad, all_reduce_sum, at_least_float32, group_size
 
 __all__ = ["VLMLosses", "caption_loss_sum", "compute_losses", "contrastive_loss_sum", "load_balancing_terms"]
 
@@ -37,7 +37,10 @@ class VLMLosses:
 def caption_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy summed over the label tokens: ``logits (R, T, V)``, ``labels (R, T)`` (-100: none)."""
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        at_least_float32(logits.reshape(-1, logits.shape[-1])),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
 
 
@@ -52,8 +55,8 @@ def contrastive_loss_sum(
     ``image_embeds``, ``text_embeds``: ``(n, E)`` local pairs (row i of each belongs together).
     Returns ``sum_i [CE(image_i -> all texts) + CE(text_i -> all images)] / 2`` over local ``i``.
     """
-    image_embeds = F.normalize(image_embeds.float(), dim=-1)
-    text_embeds = F.normalize(text_embeds.float(), dim=-1)
+    image_embeds = F.normalize(at_least_float32(image_embeds), dim=-1)
+    text_embeds = F.normalize(at_least_float32(text_embeds), dim=-1)
     # One collective for both modalities: (n, 2E) -> (N, 2E).
     gathered, offset = all_gather_with_grad(torch.cat([image_embeds, text_embeds], dim=-1), group)
     all_images, all_texts = gathered.split(image_embeds.shape[-1], dim=-1)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mm.batch import MultimodalBatch
+from lightning_mm.parallel.collectives import at_least_float32
 
 __all__ = [
     "Attention",
@@ -203,10 +204,16 @@ def positions_in_segment(causal_mask: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ building blocks
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos / sin tables ``(R, 1, T, head_dim)`` for rotary position embeddings."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions[:, :, None].float() * inv_freq  # (R, T, head_dim/2)
+def rotary_tables(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin tables ``(R, 1, T, head_dim)`` for rotary position embeddings, computed in ``dtype``.
+
+    Callers pass float64 for a float64 model: float32 tables would put float32 rounding back into it, and that
+    rounding is not even a function of the position alone (vectorised ``cos`` rounds differently in a tensor's tail,
+    so one row padded to another length gets other tables)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim)
+    angles = positions[:, :, None].to(dtype) * inv_freq  # (R, T, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)[:, None]
     return angles.cos(), angles.sin()
 
@@ -320,7 +327,7 @@ class ModalityExperts(nn.Module):
         router = self.router_vision if modality == "vision" else self.router_text
         offset = self.group_offsets[modality]
         tokens = x[valid]  # (N, D)
-        probs = router(tokens).float().softmax(dim=-1)  # (N, E_group)
+        probs = at_least_float32(router(tokens)).softmax(dim=-1)  # (N, E_group)
         gate, choice = probs.max(dim=-1)
         if self.dispatcher is not None:
             routed = self.dispatcher(self, tokens, choice + offset, gate)
@@ -522,12 +529,13 @@ class VisionLanguageModel(nn.Module):
 
         # Text: causal inside each caption, rotary positions restart at every caption.
         text_mask = segment_self_mask(batch.token_segment, causal=True)
+        text = self.embed_tokens(batch.tokens)  # (R, T, Dt)
         rotary = rotary_tables(
             positions_in_segment(text_mask & (batch.token_segment[:, None, :] >= 0)),
             config.text_width // config.text_heads,
             config.rope_theta,
+            dtype=torch.promote_types(text.dtype, torch.float32),
         )
-        text = self.embed_tokens(batch.tokens)  # (R, T, Dt)
         for layer in self.unimodal_layers:
             text = layer(text, text_mask, rotary)
         # The last token of a causal stack is the only one that has read the whole caption (CLIP's EOT).

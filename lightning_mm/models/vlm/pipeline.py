@@ -72,7 +72,7 @@ from lightning_mm.models.vlm.model import (
     segment_max,
     segment_self_mask,
 )
-from lightning_mm.parallel.collectives import all_reduce_sum, group_size
+from lightning_mm.parallel.collectives import all_reduce_sum, at_least_float32, group_size
 from lightning_mm.parallel.pipeline import PipelineSplit
 from lightning_mm.parallel.protocol import PipelineObjective, PipelineSpec
 
@@ -233,6 +233,7 @@ class VLMStage(nn.Module):
             positions_in_segment(text_mask & (token_segment[:, None, :] >= 0)),
             config.text_width // config.text_heads,
             config.rope_theta,
+            dtype=torch.promote_types(text.dtype, torch.float32),
         )
         for i in self.unimodal_ids:
             text = self.unimodal_layers[i](text, text_mask, rotary)
@@ -394,11 +395,11 @@ class VLMPipelineObjective(PipelineObjective):
             self._prob_sums = probs.new_zeros(sum(self.decision_sizes), dtype=torch.float64)
         self._router_counts += counts.sum(dim=0).to(torch.float64)
         self._prob_sums += probs.detach().sum(dim=0).to(torch.float64)
-        self._caption_parts.append(self._caption(logits.detach(), target).float())
+        self._caption_parts.append(at_least_float32(self._caption(logits.detach(), target)))
 
     def prepare(self, group: dist.ProcessGroup | None, train: bool) -> None:
         self._global_router_counts = list(all_reduce_sum(self._router_counts, group).split(self.decision_sizes))
-        moe_aux = self._balance_loss(self._prob_sums).float()
+        moe_aux = at_least_float32(self._balance_loss(self._prob_sums))
         # The contrastive loss of the whole batch, on leaves: its value, and the gradients the training pass needs.
         image = self._image[self._pairs].requires_grad_(train)
         text = self._text[self._pairs].requires_grad_(train)
@@ -414,7 +415,7 @@ class VLMPipelineObjective(PipelineObjective):
                 full_image[self._pairs], full_text[self._pairs] = grad_image, grad_text
                 self._grads = (full_image, full_text, grad_scale)
         caption = torch.stack(self._caption_parts).sum()
-        contrastive = contrastive.detach().float()
+        contrastive = at_least_float32(contrastive.detach())
         total = caption + self.contrastive_weight * contrastive + self.moe_aux_weight * moe_aux
         self._values = {
             "loss": total,
@@ -432,9 +433,9 @@ class VLMPipelineObjective(PipelineObjective):
         # Its gradient is the whole-batch contrastive loss's gradient through this microbatch's embeddings; the
         # temperature's share is spread over the batch rows (every row carries the same scale).
         contrastive = (
-            (image_embeds.float() * grad_image[rows]).sum()
-            + (text_embeds.float() * grad_text[rows]).sum()
-            + scale.float().sum() * grad_scale / self.rows
+            (at_least_float32(image_embeds) * grad_image[rows]).sum()
+            + (at_least_float32(text_embeds) * grad_text[rows]).sum()
+            + at_least_float32(scale).sum() * grad_scale / self.rows
         )
         moe_aux = self._balance_loss(probs.sum(dim=0))
         return self._caption(logits, target) + self.contrastive_weight * contrastive + self.moe_aux_weight * moe_aux
