@@ -12,8 +12,12 @@ from __future__ import annotations
 import netrc
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.cli import LightningCLI
+
+if TYPE_CHECKING:
+    import lightning as L
 
 __all__ = ["VLMLightningCLI", "main", "configure_wandb_mode"]
 
@@ -47,6 +51,27 @@ class VLMLightningCLI(LightningCLI):
             parser.link_arguments(
                 "data", f"model.{attribute}", compute_fn=_attribute_getter(attribute), apply_on="instantiate"
             )
+        parser.add_argument(
+            "--preemption",
+            type=bool,
+            default=True,
+            help="Save a checkpoint at the next optimizer step and exit non-zero on SIGTERM / SIGINT "
+            "(lightning_mm.callbacks.PreemptionCheckpoint with its defaults, unless trainer.callbacks has one). "
+            "--preemption=false leaves the signals to Lightning (it stops without a checkpoint).",
+        )
+
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """The trainer, with a default :class:`PreemptionCheckpoint` (``--preemption``): a scheduler's SIGTERM must
+        leave a checkpoint, and without one Lightning 2.6 exits 0 without any (or, on several ranks, one rank dies
+        in a mismatched broadcast)."""
+        from lightning_mm.callbacks import PreemptionCheckpoint
+
+        if self._get(self.config_init, "preemption", default=True) and "callbacks" not in kwargs:
+            configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+            configured = list(configured) if isinstance(configured, (list, tuple)) else [configured]
+            if not any(isinstance(callback, PreemptionCheckpoint) for callback in configured):
+                kwargs["callbacks"] = [*configured, PreemptionCheckpoint()]
+        return super().instantiate_trainer(**kwargs)
 
 
 def _attribute_getter(attribute: str):
