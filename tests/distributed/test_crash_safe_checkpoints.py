@@ -22,10 +22,12 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "reliability_scripts" / "save_kill.py"
 STEPS = 6
+COMPLETE = "COMPLETE"
 
 
 def _run(out: Path, ckpt_dir: Path, fmt: str, kill_at: int = 0) -> int:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    fmt, _, variant = fmt.partition("_")
     command = [
         sys.executable,
         str(SCRIPT),
@@ -39,6 +41,7 @@ def _run(out: Path, ckpt_dir: Path, fmt: str, kill_at: int = 0) -> int:
         str(STEPS),
         "--kill-at",
         str(kill_at),
+        *(["--no-exchange"] if variant == "no_exchange" else []),
     ]
     return subprocess.run(command, env=env, capture_output=True, timeout=300).returncode
 
@@ -51,7 +54,7 @@ def _kind(event: str) -> str:
     words = event.split()
     return (
         f"{words[0]} {Path(words[1]).name if words[0] == 'open' else words[1]}"
-        if words[0] in ("open", "write")
+        if words[0] in ("open", "write", "unlink")
         else event
     )
 
@@ -85,6 +88,18 @@ def _kill_points(events: list[str]) -> list[int]:
     return sorted(set(points))
 
 
+def _publish_points(events: list[str]) -> list[int]:
+    """1-based event numbers inside the 3rd publish of last.ckpt without the atomic exchange, once the old directory
+    is retired (its COMPLETE marker removed): the first removal of one of its files, and the rename that puts the
+    new directory in place (a kill at an event stops the process before it)."""
+    attempts = [i for i, e in enumerate(events) if e.startswith("_exchange ") and e.endswith(" last.ckpt")]
+    retire = attempts[2] + 1
+    assert events[retire] == f"unlink {COMPLETE}", events[retire : retire + 3]
+    rename = next(i for i in range(retire, len(events)) if events[i] == "rename .last.ckpt.partial last.ckpt")
+    assert rename > retire + 1, events[retire : rename + 1]
+    return [retire + 2, rename + 1]
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("crash_safe"))
@@ -113,3 +128,23 @@ def test_kill_during_save_resumes_from_a_complete_checkpoint_with_the_same_losse
         assert resumed == reference[start:], (point, killed)
     # The kills hit writes of data, metadata, marker and the publishing renames alike.
     assert any(k.startswith("write") for k in kinds) and any(k.split()[0] in ("replace", "_exchange") for k in kinds)
+
+
+def test_without_the_atomic_exchange_a_kill_while_publishing_resumes_from_the_newest_checkpoint(root):
+    """On a file system without renameat2(RENAME_EXCHANGE): killed between any two steps of putting the new
+    last.ckpt in place, ``ckpt_path="last"`` still finds it and resumes from the newest complete checkpoint (the
+    killed save's own step: it was complete before publishing began), repeating the reference losses bit for bit.
+    Before, a kill between the two renames left last.ckpt missing and training restarted from step 0."""
+    fmt = "sharded_no_exchange"
+    reference, events = _reference(fmt, root)
+    assert [r["step"] for r in reference] == list(range(STEPS))
+    points = _publish_points(events)
+    for point in points:
+        out = Path(root) / f"{fmt}_kill{point}"
+        assert _run(out, out / "ck", fmt, kill_at=point) == -9, f"the run was not killed at event {point}"
+        killed = json.loads((out / "killed.json").read_text())
+        done = len(_losses(out))
+        assert _run(out, out / "ck", fmt) == 0, f"resume after a kill at {killed} failed"
+        resumed = _losses(out)[done:]
+        assert resumed and resumed[0]["step"] == done, (point, killed, resumed[:1], done)
+        assert resumed == reference[done:], (point, killed)

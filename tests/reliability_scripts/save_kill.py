@@ -3,9 +3,10 @@
 directories, or one-file checkpoints with ``--format file``), always started with ``ckpt_path="last"``.
 
 ``--kill-at K`` sends SIGKILL to the process itself at the K-th file-system event under ``--ckpt-dir`` (an open for
-writing, each ``write`` call on such a file, a rename / replace, the atomic exchange, a tree removal), i.e. at a
-chosen point inside a checkpoint save; the event is recorded in ``OUT/killed.json`` first. Every finished step
-appends ``{"step", "loss"}`` to ``OUT/losses.jsonl``.
+writing, each ``write`` call on such a file, a rename / replace, the atomic exchange, a file or tree removal), i.e.
+at a chosen point inside a checkpoint save; the event is recorded in ``OUT/killed.json`` first. Every finished step
+appends ``{"step", "loss"}`` to ``OUT/losses.jsonl``. ``--no-exchange`` makes ``renameat2(RENAME_EXCHANGE)``
+unavailable, as on network and some FUSE file systems.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class KillSwitch:
             return original_open(file, mode, *args, **kwargs)
 
         builtins.open = io.open = open_
-        for module, name in ((os, "rename"), (os, "replace"), (shutil, "rmtree"), (ckpt, "_exchange")):
+        for module, name in ((os, "rename"), (os, "replace"), (os, "unlink"), (shutil, "rmtree"), (ckpt, "_exchange")):
             original = getattr(module, name, None)
             if original is None:  # (an older lightning_mm without the atomic exchange: the negative control)
                 continue
@@ -119,7 +120,10 @@ def main() -> None:
     parser.add_argument("--format", choices=["sharded", "file"], default="sharded")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--no-exchange", action="store_true")
     args = parser.parse_args()
+    if args.no_exchange:
+        ckpt._exchange = lambda first, second: False  # (before the switch wraps it: the attempt is still an event)
     torch.set_num_threads(1)
     out, ckpt_dir = Path(args.out), Path(args.ckpt_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,11 @@ def _step(path: Path) -> int:
     return meta["global_step"]
 
 
+def _sibling(final: Path, kind: str) -> Path:
+    """``.NAME.partial`` (a save being published) or ``.NAME.old`` (what a two-rename publish moved aside)."""
+    return final.with_name(f".{final.name}.{kind}")
+
+
 def _kill_at(monkeypatch, k: int) -> list[str]:
     """Make the ``k``-th rename / unlink / rmtree / exchange raise :class:`_Killed` before it runs."""
     calls: list[str] = []
@@ -74,7 +79,7 @@ def _make_target(root: Path, kind: str) -> Path:
 def _staged(root: Path, final: Path) -> Path:
     """A complete save of step 2 waiting at ``.NAME.partial``."""
     _save(root / "step2", 2)
-    staging = ckpt._sibling(final, "partial")
+    staging = _sibling(final, "partial")
     os.rename(root / "step2", staging)
     return staging
 
@@ -102,7 +107,7 @@ def test_a_kill_at_any_step_of_publishing_hides_nothing(tmp_path, monkeypatch, k
             assert final.exists() or final.is_symlink(), (kind, exchange, k, calls)
         # A load reads the newest complete copy: step 2, or step 1 while NAME still holds it untouched.
         step = _step(final)
-        assert step == 2 or (step == 1 and ckpt._sibling(final, "partial").exists()), (k, calls)
+        assert step == 2 or (step == 1 and _sibling(final, "partial").exists()), (k, calls)
         _save(final, 3)
         assert _step(final) == 3 and final.is_dir() and not final.is_symlink()
         leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith(".last.ckpt"))
@@ -117,15 +122,15 @@ def test_a_complete_partial_with_name_missing_is_restored_before_a_save_not_dele
     """What a two-rename publish killed between its renames left: ``NAME`` missing, ``.NAME.old`` (step 1) and
     ``.NAME.partial`` (step 2, the newest). The old code's next save removed ``.NAME.partial`` first."""
     final = tmp_path / "last.ckpt"
-    _save(ckpt._sibling(final, "old"), 1)
+    _save(_sibling(final, "old"), 1)
     _save(tmp_path / "step2", 2)
-    os.rename(tmp_path / "step2", ckpt._sibling(final, "partial"))
+    os.rename(tmp_path / "step2", _sibling(final, "partial"))
     assert _step(final) == 2  # a load reads it where it is
     assert not final.exists()  # (and changes nothing on disk)
     with pytest.raises(RuntimeError, match=r"newer checkpoint \(global step 2\) than this save \(step 1\)"):
         _save(final, 1)
     assert _step(final) == 2 and final.is_dir()  # restored in place by that save, not deleted
-    assert not ckpt._sibling(final, "partial").exists()
+    assert not _sibling(final, "partial").exists()
     _save(final, 3)
     assert _step(final) == 3
 
@@ -133,9 +138,9 @@ def test_a_complete_partial_with_name_missing_is_restored_before_a_save_not_dele
 def test_recover_checkpoint_puts_the_newest_copy_in_place(tmp_path):
     final = tmp_path / "last.ckpt"
     assert ckpt.recover_checkpoint(final) is False  # nothing there: nothing to do
-    _save(ckpt._sibling(final, "old"), 1)
+    _save(_sibling(final, "old"), 1)
     _save(tmp_path / "step2", 2)
-    os.rename(tmp_path / "step2", ckpt._sibling(final, "partial"))
+    os.rename(tmp_path / "step2", _sibling(final, "partial"))
     assert ckpt.recover_checkpoint(final) is True
     assert _step(final) == 2
     assert ckpt.recover_checkpoint(final) is False
@@ -146,7 +151,7 @@ def test_an_interrupted_first_save_is_not_restored(tmp_path):
     final = tmp_path / "last.ckpt"
     _save(tmp_path / "step2", 2)
     (tmp_path / "step2" / ckpt.COMPLETE_FILE).unlink()
-    os.rename(tmp_path / "step2", ckpt._sibling(final, "partial"))
+    os.rename(tmp_path / "step2", _sibling(final, "partial"))
     assert ckpt.recover_checkpoint(final) is False and not final.exists()
     _save(final, 1)
     assert _step(final) == 1
