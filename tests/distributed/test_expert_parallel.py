@@ -1,13 +1,13 @@
 """Expert parallelism (``HybridParallelStrategy(expert_parallel=...)``) through ``Trainer.fit`` == one process.
 
-Same protocol as ``test_strategy_parity``: the tiny reference VLM, STEPS AdamW steps with gradient clipping active,
-the same global batches and seed as a plain one-process ``Trainer``, both in float64 (``DoublePrecision``), so
-only float64 rounding of another reduction order separates them, on any machine and thread count: losses within
-1e-10 relative, final parameters within 1e-9 absolute, first-step gradients within 1e-10 relative in norm (measured
-at most 3e-14, 2e-13 and 1e-14). The float32 version needed 2e-4 per element and failed on another machine (one
-embedding element 5.1e-4 off): AdamW turns last-bit differences of near-zero gradients into steps of up to lr.
-Both placements run in one 2-rank spawn (dp_shard=2, ep=2). The "uniform" placement stores experts permuted (round
-robin), so its full expert tensors are put back into logical order before comparing.
+Same protocol as ``test_strategy_parity``: the tiny reference VLM, STEPS AdamW steps with gradient clipping active, the
+same global batches and seed as a plain one-process ``Trainer``, both in float64 (``DoublePrecision``), so only float64
+rounding of another reduction order separates them, on any machine and thread count: losses within 1e-10 relative, final
+parameters within 1e-9 absolute, first-step gradients within 1e-10 relative in norm (measured with 1 and 2 threads: at
+most 8e-15, 1.3e-13 and 1.1e-14). The float32 version needed 2e-4 per element and failed on another machine (one
+embedding element 5.1e-4 off): AdamW turns last-bit differences of near-zero gradients into steps of up to lr. Both
+placements run in one 2-rank spawn (dp_shard=2, ep=2). The "uniform" placement stores experts permuted (round robin), so
+its full expert tensors are put back into logical order before comparing.
 
 The same spawn records the All-to-All traffic of one training step per placement (the printed table) and the
 parameter layout (experts: ``Shard(0)`` DTensors on the ep mesh, not sharded again by the block's FSDP; routers and

@@ -4,12 +4,12 @@ Each configuration trains the tiny reference VLM (captioning + contrastive + exp
 AdamW steps with gradient clipping active, on the same global batches and seed as a plain one-process
 ``Trainer``. Ranks that share a data-parallel index (tp peers) get the same batch.
 
-Both sides train in float64 (``DoublePrecision``), so what separates them is float64 rounding of another
-reduction order: measured 2e-16 to 3e-14 relative in the losses and at most 2e-13 absolute in a parameter (tp2,
-fsdp2, tp2 with sequence parallelism; 1 and 2 threads), on any machine. Hence losses within 1e-10 relative and
-parameters within 1e-9 absolute: six orders of magnitude below one AdamW step (lr 3e-3), which a lost, doubled or
-mis-scaled update or gradient would exceed. The old float32 version needed 1e-5 / 1e-3 and still failed on
-another machine of this kind: AdamW turns last-bit differences of near-zero gradients into steps of up to lr.
+Both sides train in float64 (``DoublePrecision``), so what separates them is float64 rounding of another reduction
+order: measured 2e-16 to 3e-14 relative in the losses and at most 2e-13 absolute in a parameter (tp2, fsdp2, tp2 with
+sequence parallelism; reference on 2 threads, ranks on 1), on any machine. Hence losses within 1e-10 relative and
+parameters within 1e-9 absolute: six orders of magnitude below one AdamW step (lr 3e-3), which a lost, doubled or mis-
+scaled update or gradient would exceed. The old float32 version needed 1e-5 / 1e-3 and still failed on another machine
+of this kind: AdamW turns last-bit differences of near-zero gradients into steps of up to lr.
 
 Two configurations also train in float32, the dtype users train in; their tolerance is a noise floor measured
 in the same test (:func:`tests.helpers.assert_float32_noise`): the float32 mesh run must be as close to the
