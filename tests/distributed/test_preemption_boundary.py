@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 
 from lightning_mm.callbacks import Preempted, PreemptionCheckpoint
@@ -135,3 +136,10 @@ def test_pipeline_parallel_saves_at_the_step_boundary_too(tmp_path):
         assert stopped["preempted"] is not None and "after 2 optimizer steps" in stopped["preempted"]
         assert [row["step"] for row in stopped["rows"]] == [0, 0, 0, 1, 1, 1, 1, 2]
     assert (tmp_path / "preempted.ckpt").is_dir()  # a sharded checkpoint, written by both ranks
+
+
+def test_bad_arguments_are_refused_naming_them():
+    with pytest.raises(ValueError, match="boundary_timeout_s must be > 0"):
+        PreemptionCheckpoint(boundary_timeout_s=0)
+    with pytest.raises(ValueError, match="signals: unknown signal name"):
+        PreemptionCheckpoint(signals=("SIGNOPE",))
