@@ -40,7 +40,7 @@ def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -
             matches = sorted(glob.glob(url)) if any(c in url for c in "*?[") else [url]
             if not matches:
                 where = f" (from {pattern!r})" if url != pattern else ""
-                raise FileNotFoundError(f"{argument}: the pattern {url!r}{where} matches no file")
+                raise ValueError(f"{argument}: the pattern {url!r}{where} matches no file")
             expanded.extend(matches)
     if not expanded:
         raise ValueError(f"{argument}: {urls!r} matches no shard")
