@@ -1299,8 +1299,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
         short without a word.
         """
         trainer = self.trainer
-        if self._resume is None or trainer is None or trainer.limit_train_batches != 1.0:
-            return
+        if self._resume is None or getattr(trainer, "limit_train_batches", None) != 1.0:
+            return  # (no resume, no Trainer, or the user caps the epoch's batches on purpose)
         counted = trainer.num_training_batches
         if counted < length:
             raise RuntimeError(
