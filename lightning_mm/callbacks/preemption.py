@@ -19,13 +19,13 @@ saves after micro-batch 7, at global step 2, and the resumed run starts with mic
 the pipeline strategy, whose schedule runs inside ``training_step`` but leaves the optimizer step to Lightning.
 
 **A rank that does not reach the boundary.** A Python signal handler runs in the main thread between bytecodes, so a
-main thread blocked in a collective (waiting for a rank that is stuck) or in a data loader runs it only when the
-wait ends, that is, possibly never before the scheduler's SIGKILL. The C-level handler still writes the signal
-number to :func:`signal.set_wakeup_fd`'s pipe, which a :class:`RankWatchdog` thread reads every heartbeat: when not
-every rank has passed the boundary ``boundary_timeout_s`` after the signal, every rank prints where its main thread
-waits, dumps its Python stacks (``faulthandler``) and exits with code 1, instead of ignoring the signal until
-SIGKILL. The trainer's ``RankWatchdog`` does it when there is one; otherwise this callback runs one of its own for
-the fit (which then also names a peer that dies).
+main thread blocked in a collective (waiting for a rank that is stuck) or in a data loader runs it only when the wait
+ends, that is, possibly never before the scheduler's SIGKILL. The C-level handler still writes the signal number to
+:func:`signal.set_wakeup_fd`'s pipe, which a :class:`RankWatchdog` thread reads every heartbeat: when a rank has
+finished no batch for ``boundary_timeout_s`` after the signal and the ranks have not yet met at the boundary, every
+rank prints where its main thread waits, dumps its Python stacks (``faulthandler``) and exits with code 1, instead of
+ignoring the signal until SIGKILL. The trainer's ``RankWatchdog`` does it when there is one; otherwise this callback
+runs one of its own for the fit (which then also names a peer that dies).
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ class PreemptionCheckpoint(L.Callback):
         path: where to write the checkpoint; default ``last.ckpt`` in the ``ModelCheckpoint``'s directory (so
             ``ckpt_path="last"`` resumes from it), else ``<default_root_dir>/preempted.ckpt``.
         signals: the signals to catch, by name.
-        boundary_timeout_s: seconds after a signal within which every rank must reach the next optimizer-step
-            boundary; otherwise every rank dumps its Python stacks and exits with code 1 (no checkpoint). Keep it
-            above the longest step (with its accumulation and a validation that may run before it) and below the
-            scheduler's grace time (SLURM's ``KillWait``, or the lead of ``--signal=TERM@<seconds>``). ``None``
+        boundary_timeout_s: after a signal, the longest a rank may go without finishing a batch (training or
+            validation) before the ranks reach the next optimizer-step boundary together; past it every rank dumps
+            its Python stacks and exits with code 1 (no checkpoint). Keep it above the longest single batch and below
+            the scheduler's grace time (SLURM's ``KillWait``, or the lead of ``--signal=TERM@<seconds>``). ``None``
             waits forever.
     """
 
@@ -163,6 +163,7 @@ class PreemptionCheckpoint(L.Callback):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        self._progressed()
         # Every rank takes the same branch: the global step advances on all of them at the same batch.
         if trainer.global_step == self._step_at_batch_start:
             return  # accumulating: no optimizer step yet, this is not a boundary (module docstring)
@@ -171,6 +172,19 @@ class PreemptionCheckpoint(L.Callback):
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._raise_if_stopping(trainer, pl_module)
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx, dataloader_idx=0
+    ) -> None:
+        self._progressed()
+
+    def _progressed(self) -> None:
+        """This rank finished a batch: the deadline counts from here. A rank is *stuck* when it finishes no batch for
+        ``boundary_timeout_s`` after the signal; a long accumulation or a validation pass of many batches between
+        the signal and the boundary is slow, not stuck, and still ends with the checkpoint."""
+        if self._signalled_at is not None:
+            self._signalled_at = time.monotonic()
 
     def _target(self, trainer: L.Trainer) -> Path:
         if self.path is not None:
@@ -234,9 +248,9 @@ class PreemptionCheckpoint(L.Callback):
         if waited < self.boundary_timeout_s:
             return None
         return (
-            f"PreemptionCheckpoint: {signal.Signals(self.received).name} received {waited:.0f} s ago and the ranks "
-            f"have not all reached the next optimizer-step boundary (boundary_timeout_s={self.boundary_timeout_s:g}):"
-            " a rank is blocked or too slow; no checkpoint was saved"
+            f"PreemptionCheckpoint: {signal.Signals(self.received).name} received and this rank has finished no batch "
+            f"for {waited:.0f} s without the ranks reaching the next optimizer-step boundary together "
+            f"(boundary_timeout_s={self.boundary_timeout_s:g}): a rank is blocked or too slow; no checkpoint was saved"
         )
 
     @staticmethod
