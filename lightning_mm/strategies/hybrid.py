@@ -806,8 +806,55 @@ class HybridParallelStrategy(ModelParallelStrategy):
             )
         path = Path(self.broadcast(filepath))
         model_state = checkpoint.pop("state_dict")
-        optimizer_states = checkpoint.pop("optimizer_states", [])
+        optimizer_states = self._whole_param_groups(checkpoint.pop("optimizer_states", []))
         ckpt.save_sharded(path, model_state, optimizer_states, checkpoint)
+
+    def _whole_param_groups(self, optimizer_states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every pipeline rank's optimizer states with the ``param_groups`` of the whole model.
+
+        Under pipeline parallelism each rank's ``param_groups`` list only its stages' parameters, but DCP keeps one
+        copy of a non-tensor entry (``optimizer_0.param_groups.0.params``, ``...lr``) of all the ranks that write
+        it: the other stages' parameters would be listed in no group, and a resume would give them groups without
+        hyperparameters (``KeyError: 'betas'`` in ``AdamW.step``). So every rank writes the same groups: each one
+        lists the parameters of all stages in stage order (the model's order, which ``consolidate`` numbers by).
+        """
+        runner = self._pipeline
+        if runner is None or runner.pp_size == 1 or not optimizer_states:
+            return optimizer_states
+        first = min(runner.stage_ids)
+        stage_of: dict[int, int] = {}  # (a parameter shared between stages belongs to the first)
+        for stage, stage_module in sorted(
+            zip(runner.stage_ids, runner.stage_modules, strict=True), key=lambda pair: pair[0], reverse=True
+        ):
+            stage_of.update({id(param): stage for param in stage_module.parameters()})
+        # Optimizer states name parameters without the levels wrappers insert (activation checkpointing, compile).
+        wrappers = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+        stage_of_fqn = {
+            ".".join(part for part in name.split(".") if part not in wrappers): stage_of.get(id(param), first)
+            for name, param in self.model.named_parameters(remove_duplicate=False)
+        }
+        local = [
+            [[(stage_of_fqn.get(fqn, first), fqn) for fqn in group["params"]] for group in state["param_groups"]]
+            for state in optimizer_states
+        ]
+        gathered: list[Any] = [None] * runner.pp_size
+        dist.all_gather_object(gathered, local, group=runner.pp_group)
+        whole = []
+        for index, state in enumerate(optimizer_states):
+            counts = {len(ranks_states[index]) for ranks_states in gathered}
+            if len(counts) != 1:
+                raise RuntimeError(
+                    f"optimizer {index} has a different number of param groups on the pipeline ranks "
+                    f"({sorted(counts)}): configure_optimizers must make the same groups on every stage (empty ones "
+                    "included) for a checkpoint to hold them"
+                )
+            groups = []
+            for number, group in enumerate(state["param_groups"]):
+                entries = [entry for ranks_states in gathered for entry in ranks_states[index][number]]
+                fqns = dict.fromkeys(fqn for _, fqn in sorted(entries, key=lambda entry: entry[0]))  # stable
+                groups.append({**group, "params": list(fqns)})
+            whole.append({**state, "param_groups": groups})
+        return whole
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -129,13 +129,24 @@ def test_sigterm_during_accumulation_saves_after_the_step_and_resumes_without_lo
 
 
 def test_pipeline_parallel_saves_at_the_step_boundary_too(tmp_path):
-    """pp2 (the schedule runs forward and backward inside ``training_step``): the same boundary, on both ranks."""
+    """pp2 (the schedule runs forward and backward inside ``training_step``): the same boundary, on both ranks, and
+    the resumed run (each stage's optimizer with its param groups' hyperparameters) continues with the samples and
+    losses of the uninterrupted run."""
     ensure_synthetic_shards("tiny")
-    ranks = run_distributed(_rank_fit, 2, str(tmp_path), SIGNAL_AT, None, timeout=200)
-    for stopped in ranks:
+    full = run_distributed(_rank_fit, 2, str(tmp_path / "full"), None, None, timeout=200)
+    ranks = run_distributed(_rank_fit, 2, str(tmp_path / "stopped"), SIGNAL_AT, None, timeout=200)
+    for stopped, uninterrupted in zip(ranks, full, strict=True):
         assert stopped["preempted"] is not None and "after 2 optimizer steps" in stopped["preempted"]
         assert [row["step"] for row in stopped["rows"]] == [0, 0, 0, 1, 1, 1, 1, 2]
-    assert (tmp_path / "preempted.ckpt").is_dir()  # a sharded checkpoint, written by both ranks
+        assert stopped["rows"] == uninterrupted["rows"][: 2 * ACCUMULATE]
+    checkpoint = tmp_path / "stopped" / "preempted.ckpt"
+    assert checkpoint.is_dir()  # a sharded checkpoint, written by both ranks
+    resumed = run_distributed(_rank_fit, 2, str(tmp_path / "resumed"), None, str(checkpoint), timeout=200)
+    last = full[-1]["rows"]  # (the last stage's losses are the pipeline's)
+    assert len(last) == ACCUMULATE * STEPS and len({row["loss"] for row in last}) == len(last)
+    for rank, uninterrupted in zip(resumed, full, strict=True):
+        assert rank["preempted"] is None and rank["global_step"] == STEPS
+        assert rank["rows"] == uninterrupted["rows"][2 * ACCUMULATE :]
 
 
 def test_bad_arguments_are_refused_naming_them():
