@@ -23,6 +23,7 @@ that order has the shortest span.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -81,6 +82,7 @@ class PipelineRunner:
         self.recorder = TimelineRecorder(_stages_of(self.train_schedule))
         self.recorder.watch(_stages_of(self.eval_schedule), forward_kind="S", forward_only=True)
         self._value_names: list[str] | None = None
+        self._value_dtype = torch.float32
         self.timeline: dict | None = None
 
     # ------------------------------------------------------------------------------------------- loss callbacks
@@ -138,14 +140,19 @@ class PipelineRunner:
         return self._broadcast(values)
 
     def _broadcast(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self._value_names is None:  # the last stage names the values once; a tensor broadcast per step after
-            names = [list(values)]
-            dist.broadcast_object_list(names, group=self.pp_group, group_src=self.pp_size - 1)
-            self._value_names = names[0]
+        if self._value_names is None:  # the last stage names the values and their dtype once; a tensor per step after
+            # The values travel in their promoted dtype, at least float32 (bf16 / float16 values are logged in
+            # float32): a float64 model's losses stay float64, which its parity checks compare to 1e-10.
+            dtype = functools.reduce(torch.promote_types, (v.dtype for v in values.values()), torch.float32)
+            header = [(list(values), dtype)]
+            dist.broadcast_object_list(header, group=self.pp_group, group_src=self.pp_size - 1)
+            self._value_names, self._value_dtype = header[0]
         stacked = (
-            torch.stack([values[name].detach().float().reshape(()).to(self.device) for name in self._value_names])
+            torch.stack(
+                [values[name].detach().to(self._value_dtype).reshape(()).to(self.device) for name in self._value_names]
+            )
             if self.has_last
-            else torch.zeros(len(self._value_names), device=self.device)
+            else torch.zeros(len(self._value_names), dtype=self._value_dtype, device=self.device)
         )
         dist.broadcast(stacked, group=self.pp_group, group_src=self.pp_size - 1)
         return dict(zip(self._value_names, stacked, strict=True))

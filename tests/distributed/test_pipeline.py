@@ -6,12 +6,16 @@ microbatches: the pipeline must keep the objective, including the contrastive lo
 the expert balance loss over all routed tokens (:mod:`lightning_mm.models.vlm.pipeline`). Batches are padded to one
 fixed shape beforehand so both sides see identical tensors (padding rows carry no loss).
 
-Top-1 expert routing is an argmax: where two experts' router logits tie to the last bits, computing the router on a
-microbatch instead of the whole batch (other matmul shapes, other rounding) can flip one token's expert. Measured
-with the earlier seed 1234: the pp2 x dp2 run differed from one process by 3e-5 to 5e-5 relative in 3 of its 10
-losses (the next losses were within 1e-7 again), and within 3.4e-6 with one expert per modality (no choice to flip).
-With seeds 1-3 that run is within 1.5e-6; seed 1 puts pp2 x tp2 at 1.2e-5, seed 3 one parameter element off. Seed 2
-passes every configuration here at 1e-5.
+Both sides train in float64 (Lightning's ``DoublePrecision`` plugin), so what separates them is float64 rounding of
+other matmul shapes (microbatches) and reduction orders: losses within LOSS_RTOL = 1e-10 relative, parameters within
+PARAM_ATOL = 1e-9 absolute, every update within 1e-8 relative of the reference's. Measured (reference and ranks on 1,
+then 2 threads): see MEASURED below. The float32 version needed 1e-5 / 2e-4 and a hand-picked seed: top-1 expert
+routing is an argmax, and where two experts' router logits tie to float32's last bits, a microbatch's other rounding
+flipped one token's expert (3e-5 to 5e-5 relative in some losses with seed 1234); in float64 such a tie needs ~1e-16.
+
+One configuration (GPipe with clipping) also trains in float32, checked against a noise floor measured in the same
+test (:func:`tests.helpers.assert_float32_noise`): the float32 pipeline run must be as close to the float64 result as
+the float32 one-process run is, within the FLOAT32_* factors.
 
 One spawn per world size runs all of that world's configurations (each ``fit`` builds its own mesh), plus a
 negative control: a strategy whose Lightning backward is a no-op *without* skipping Lightning's zero_grad trains
@@ -31,9 +35,19 @@ from lightning_mm.batch import MultimodalBatch
 from lightning_mm.models import VLMModule
 from lightning_mm.models.vlm.pipeline import pad_batch
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, full_copy, quiet_trainer, random_samples, run_distributed, shard_batches
+from tests.helpers import (
+    LossRecorder,
+    assert_float32_noise,
+    full_copy,
+    quiet_trainer,
+    random_samples,
+    relative_error,
+    run_distributed,
+    shard_batches,
+)
 
 GLOBAL_BATCH, STEPS, SEED, CLIP = 8, 5, 2, 0.5
+LOSS_RTOL, PARAM_ATOL, UPDATE_RTOL = 1e-10, 1e-9, 1e-8  # float64 runs; see the module docstring
 OVERRIDES = {"fusion_layers": 3}  # 5 pipeline units (vision, 1 unimodal, 3 fusion) for 4 virtual stages
 ROW_SHAPE = (20, 14, 1)  # patches, tokens, segments per row: covers random_samples' largest sample
 
@@ -45,6 +59,17 @@ CONFIGS: dict[str, tuple[int, dict, int, int, float | None]] = {
     "1f1b_fsdp2_clip_accumulate2": (4, {"pipeline_schedule": "1F1B"}, 2, 2, CLIP),
     "1f1b_tp2_clip": (4, {"pipeline_schedule": "1F1B", "tensor_parallel": 2}, 4, 1, CLIP),
 }
+FLOAT32_CONFIG = "gpipe_clip"
+FLOAT32_FACTOR, FLOAT32_PARAMS_FACTOR, FLOAT32_PARAM_FACTOR = 10.0, 30.0, 100.0
+"""float32 run: its distance from the float64 result is at most this many times the float32 one-process run's
+distance from it: over the losses of all steps; over all parameters together; each parameter alone (as in
+test_strategy_parity: AdamW turns rounding of near-zero gradients into steps of up to lr, a heavy-tailed ratio).
+Measured: see MEASURED. A lost or doubled update moves a parameter by its whole update, far above the floor."""
+MEASURED = """
+float64, worst configuration, with LIGHTNING_MM_TEST_THREADS=1, =2 and unset (2 cores, under load):
+  losses 1.1e-15 relative (gpipe_clip), parameters 4.5e-14 absolute (1f1b_tp2_clip)
+float32 gpipe_clip noise ratios: losses 0.95-1.30, all parameters 0.91-0.93, worst single parameter 1.19-1.61
+"""
 
 
 def _dp(name: str) -> int:
@@ -79,16 +104,35 @@ class _NoBackwardStrategy(HybridParallelStrategy):
         return closure_loss
 
 
-def _trainer(devices: int, strategy, accumulate: int, clip, callbacks) -> L.Trainer:
+def _trainer(devices: int, strategy, accumulate: int, clip, callbacks, precision: str) -> L.Trainer:
     return quiet_trainer(
-        devices, strategy, STEPS, callbacks, gradient_clip_val=clip, accumulate_grad_batches=accumulate
+        devices,
+        strategy,
+        STEPS,
+        callbacks,
+        precision=precision,
+        gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate,
     )
 
 
-def _fit(rank: int, world: int, name: str, broken: bool = False) -> dict:
-    _, kwargs, microbatches, accumulate, clip = CONFIGS[name]
+def _module() -> VLMModule:
     L.seed_everything(SEED, verbose=False)
-    module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3, model_overrides=OVERRIDES)
+    return VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3, model_overrides=OVERRIDES)
+
+
+def _result(module: VLMModule, recorder: LossRecorder, initial: dict[str, torch.Tensor]) -> dict:
+    params = {n: full_copy(p) for n, p in module.model.named_parameters()}
+    return {
+        "losses": recorder.losses,
+        "params": params,
+        "initial": {n: initial[n].to(params[n].dtype) for n in params},
+    }
+
+
+def _fit(rank: int, world: int, name: str, precision: str = "64-true", broken: bool = False) -> dict:
+    _, kwargs, microbatches, accumulate, clip = CONFIGS[name]
+    module = _module()
     initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     cls = _NoBackwardStrategy if broken else HybridParallelStrategy
     strategy = cls(pipeline_parallel=2, microbatches=microbatches, **kwargs)
@@ -96,14 +140,15 @@ def _fit(rank: int, world: int, name: str, broken: bool = False) -> dict:
     dp = _dp(name)
     tp = kwargs.get("tensor_parallel", 1)
     batches = _batches((rank // tp) % dp, dp, accumulate)  # mesh (pp, dp, tp): rank = (pp * dp + dp_index) * tp + t
-    trainer = _trainer(world, strategy, accumulate, clip, [recorder])
+    trainer = _trainer(world, strategy, accumulate, clip, [recorder], precision)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    params = {n: full_copy(p) for n, p in module.model.named_parameters()}
-    return {"losses": recorder.losses, "params": params, "initial": {n: initial[n] for n in params}}
+    return _result(module, recorder, initial)
 
 
 def _run_world(rank: int, world: int, names: list[str]) -> dict:
     results = {name: _fit(rank, world, name) for name in names}
+    if FLOAT32_CONFIG in names:
+        results[f"{FLOAT32_CONFIG}/float32"] = _fit(rank, world, FLOAT32_CONFIG, "32-true")
     if world == 2:
         results["broken"] = _fit(rank, world, "gpipe_clip", broken=True)
     return results
@@ -116,14 +161,14 @@ def _parallel(world: int) -> list[dict]:
 
 
 @functools.cache
-def _reference(name: str) -> dict:
+def _reference(name: str, precision: str = "64-true") -> dict:
     _, _, _, accumulate, clip = CONFIGS[name]
-    L.seed_everything(SEED, verbose=False)
-    module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3, model_overrides=OVERRIDES)
+    module = _module()
+    initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     recorder = LossRecorder()
     loader = torch.utils.data.DataLoader(_reference_batches(name, accumulate), batch_size=None)
-    _trainer(1, "auto", accumulate, clip, [recorder]).fit(module, train_dataloaders=loader)
-    return {"losses": recorder.losses, "params": {n: full_copy(p) for n, p in module.model.named_parameters()}}
+    _trainer(1, "auto", accumulate, clip, [recorder], precision).fit(module, train_dataloaders=loader)
+    return _result(module, recorder, initial)
 
 
 def _merged_params(results: list[dict], key: str) -> dict[str, torch.Tensor]:
@@ -136,6 +181,10 @@ def _merged_params(results: list[dict], key: str) -> dict[str, torch.Tensor]:
     return merged
 
 
+def _losses(run: dict) -> torch.Tensor:
+    return torch.tensor(run["losses"], dtype=torch.float64)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_pipeline_matches_one_process(name):
     world = CONFIGS[name][0]
@@ -143,16 +192,54 @@ def test_pipeline_matches_one_process(name):
     reference = _reference(name)
     assert len(reference["losses"]) == STEPS * CONFIGS[name][3]
     assert reference["losses"][0] != reference["losses"][-1]
-    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
+    for result in results:  # every rank logs the last stage's float64 losses
+        torch.testing.assert_close(_losses(result), _losses(reference), rtol=LOSS_RTOL, atol=0)
     params, initial = _merged_params(results, "params"), _merged_params(results, "initial")
     assert set(params) == set(reference["params"])  # the stages together hold every parameter once
+    worst = 0.0
     for param_name, expected in reference["params"].items():
-        # Same tolerances and reasoning as test_strategy_parity: AdamW amplifies last-bit gradient differences of
-        # near-zero elements up to ~lr; a lost or doubled update is orders of magnitude larger.
-        torch.testing.assert_close(
-            params[param_name], expected, rtol=1e-4, atol=2e-4, msg=lambda m, n=param_name: f"{n}: {m}"
+        actual = params[param_name]
+        assert actual.dtype == expected.dtype == torch.float64, (param_name, actual.dtype, expected.dtype)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=PARAM_ATOL, msg=lambda m, n=param_name: f"{n}: {m}")
+        # Every parameter really trained, and by the same update (relative in norm).
+        assert not torch.equal(actual, initial[param_name]), f"{param_name} did not train"
+        update, expected_update = actual - initial[param_name], expected - reference["initial"][param_name]
+        assert relative_error(update, expected_update) < UPDATE_RTOL, param_name
+        worst = max(worst, (actual - expected).abs().max().item())
+    print(
+        f"\n{name} float64: losses {relative_error(_losses(results[0]), _losses(reference)):.1e} relative, "
+        f"parameters {worst:.1e} absolute"
+    )
+
+
+def test_float32_pipeline_within_noise_floor():
+    """float32, the dtype users train in: the pipeline run is as accurate as the one-process run (FLOAT32_*
+    factors); the ratios are printed (``pytest -s``)."""
+    exact, reference = _reference(FLOAT32_CONFIG), _reference(FLOAT32_CONFIG, "32-true")
+    results = [per_rank[f"{FLOAT32_CONFIG}/float32"] for per_rank in _parallel(CONFIGS[FLOAT32_CONFIG][0])]
+    params = _merged_params(results, "params")
+    assert params["embed_tokens.weight"].dtype == torch.float32
+    ratios = {
+        "losses": assert_float32_noise(
+            _losses(results[0]), _losses(reference), _losses(exact), FLOAT32_FACTOR, "losses"
+        ),
+        "parameters": assert_float32_noise(
+            torch.cat([params[n].double().flatten() for n in exact["params"]]),
+            torch.cat([reference["params"][n].double().flatten() for n in exact["params"]]),
+            torch.cat([exact["params"][n].flatten() for n in exact["params"]]),
+            FLOAT32_PARAMS_FACTOR,
+            "parameters",
+        ),
+    }
+    for param_name, expected in exact["params"].items():
+        ratios[param_name] = assert_float32_noise(
+            params[param_name], reference["params"][param_name], expected, FLOAT32_PARAM_FACTOR, param_name
         )
-        assert not torch.equal(params[param_name], initial[param_name]), f"{param_name} did not train"
+    worst = max((n for n in ratios if n not in ("losses", "parameters")), key=ratios.get)
+    print(
+        f"\n{FLOAT32_CONFIG} float32 noise ratios: losses {ratios['losses']:.2f}, parameters "
+        f"{ratios['parameters']:.2f}, worst parameter {ratios[worst]:.2f} ({worst})"
+    )
 
 
 def test_naive_backward_trains_nothing_and_is_caught():
