@@ -35,9 +35,11 @@ and ``LightningModule.load_from_checkpoint`` reads.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import io
+import itertools
 import json
 import logging
 import os
@@ -245,7 +247,6 @@ _CALLABLES = {
 _DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 _LAYOUTS = {str(value): value for value in vars(torch).values() if isinstance(value, torch.layout)}
 _MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.channels_last, 2: torch.preserve_format}
-_PLAIN_DEPTH = 32
 
 
 def _restricted_dispatch() -> dict[int, Callable]:
@@ -357,9 +358,14 @@ class _Schema:
     """Turns the unpickled records into DCP's metadata objects: exact types, plain file names, every constructor
     called with checked values. Each record is converted once (a file may reference one record many times)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, size: int) -> None:
         self.path = path
+        # The work and memory a file may cause are bounded by its size: a pickle's memo lets a small file reference
+        # one object many times, so anything whose cost grows with such references is counted against it.
+        self.budget = size
         self.done: dict[int, Any] = {}
+        self.tensor_records: dict[int, str] = {}  # id of a raw TensorStorageMetadata / chunks list -> its fqn
+        self.chunk_count = 0
 
     def corrupt(self, where: str, problem: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.path} is not valid DCP metadata (corrupt or crafted): {where}: {problem}")
@@ -386,6 +392,12 @@ class _Schema:
         if id(value) not in self.done:
             self.done[id(value)] = convert(value, where)
         return self.done[id(value)]
+
+    def once(self, value: Any, owner: str, where: str) -> None:
+        """Refuse a second use of the raw object ``value`` (a tensor's record or chunk list) by another tensor."""
+        first = self.tensor_records.setdefault(id(value), owner)
+        if first != owner:
+            raise self.corrupt(where, f"shares its tensor record or chunk list with {first!r} (DCP writes one each)")
 
     def exact(self, value: Any, kind: type | tuple[type, ...], where: str) -> Any:
         kinds = kind if isinstance(kind, tuple) else (kind,)
@@ -418,7 +430,12 @@ class _Schema:
         entries = {}
         for fqn, entry in self.mapping(state["state_dict_metadata"], "state_dict_metadata").items():
             self.exact(fqn, str, "state_dict_metadata key")
-            entries[fqn] = self.converted(entry, self.storage_type, f"state_dict_metadata[{fqn!r}]")
+            where = f"state_dict_metadata[{fqn!r}]"
+            if type(entry) is _Record and entry.target.name == "TensorStorageMetadata":
+                # DCP writes one record per tensor; one shared by many entries (with a long chunk list) would make
+                # the checks below cost entries x chunks for a file of entries + chunks bytes.
+                self.once(entry, fqn, where)
+            entries[fqn] = self.converted(entry, self.storage_type, where)
         storage = {}
         for index, info in self.mapping(state.get("storage_data"), "storage_data").items():
             key = self.converted(index, self.metadata_index, "storage_data key")
@@ -426,7 +443,7 @@ class _Schema:
         meta = state.get("storage_meta")
         metadata = Metadata(
             state_dict_metadata=entries,
-            planner_data=self.plain(state.get("planner_data"), "planner_data", 0, set()),
+            planner_data=self.planner_data(state.get("planner_data")),
             storage_data=storage,
             storage_meta=None if meta is None else self.converted(meta, self.storage_meta, "storage_meta"),
             version=self.exact(state.get("version"), (str, type(None)), "version"),
@@ -444,10 +461,12 @@ class _Schema:
             ("properties", "size", "chunks"),
             (),
         )
-        chunks = [
-            self.converted(chunk, self.chunk, f"{where}.chunks[{i}]")
-            for i, chunk in enumerate(self.sequence(state["chunks"], f"{where}.chunks"))
-        ]
+        raw_chunks = self.sequence(state["chunks"], f"{where}.chunks")
+        self.once(raw_chunks, where, f"{where}.chunks")
+        self.chunk_count += len(raw_chunks)
+        if self.chunk_count > self.budget:  # (each reference costs a byte or more of the file; kept as a bound)
+            raise self.corrupt(f"{where}.chunks", f"{self.chunk_count} chunks in a file of {self.budget} bytes")
+        chunks = [self.converted(chunk, self.chunk, f"{where}.chunks[{i}]") for i, chunk in enumerate(raw_chunks)]
         return dcp_metadata.TensorStorageMetadata(
             properties=self.converted(state["properties"], self.tensor_properties, f"{where}.properties"),
             size=self.size(state["size"], f"{where}.size"),
@@ -525,15 +544,18 @@ class _Schema:
                 "directory (shard names must be plain file names inside it)"
             )
         transforms = state.get("transform_descriptors")
-        if transforms is not None:
-            transforms = [
-                self.exact(t, str, f"{where}.transform_descriptors") for t in self.sequence(transforms, where)
-            ]
+        if transforms is not None and (type(transforms) not in (list, tuple) or len(transforms) != 0):
+            # This package never writes transforms (torch writes None then); DCP would apply whatever a file names,
+            # e.g. an unbounded "stream.zstd" decompression of a small shard where zstandard is installed.
+            raise self.corrupt(
+                f"{where}.transform_descriptors",
+                f"expected None (no transforms; this package writes none), found {_describe_value(transforms)}",
+            )
         return _StorageInfo(
             relative_path=name,
             offset=self.count(state["offset"], f"{where}.offset"),
             length=self.count(state["length"], f"{where}.length"),
-            transform_descriptors=transforms,
+            transform_descriptors=None,
         )
 
     def storage_meta(self, value: Any, where: str) -> StorageMeta:
@@ -560,44 +582,98 @@ class _Schema:
             modules=[self.exact(m, str, f"{where}.modules") for m in self.sequence(modules, f"{where}.modules")],
         )
 
-    def plain(self, value: Any, where: str, depth: int, open_containers: set[int]) -> Any:
-        """``value`` itself if it is plain data (no records, no cycles, bounded depth)."""
-        kind = type(value)
-        if kind in (type(None), bool, int, float, str, bytes):
-            return value
-        if kind not in (list, tuple, dict) or depth > _PLAIN_DEPTH or id(value) in open_containers:
-            raise self.corrupt(where, f"expected plain data, found {_describe_value(value)}")
-        if id(value) in self.done:
-            return value
-        open_containers.add(id(value))
-        items = [*value.keys(), *value.values()] if kind is dict else value
-        for item in items:
-            self.plain(item, where, depth + 1, open_containers)
-        open_containers.discard(id(value))
-        self.done[id(value)] = value
-        return value
+    def planner_data(self, value: Any) -> dict[str, tuple[str | int, ...]] | None:
+        """What DCP's ``flatten_state_dict`` writes: ``{fqn: path}``, ``path`` a tuple of ``str`` (dict keys) and
+        ``int`` (list indices) whose items joined with "." are ``fqn``. Loading rebuilds the nested state dict from
+        these paths, extending each list to its largest index: indices are bounded by the file's size, and every
+        container is a dict or a list for all paths through it (else the rebuild fails midway)."""
+        if value is None:
+            return None
+        where = "planner_data"
+        self.mapping(value, where)
+        containers: dict[str, Any] = {}  # trie: key -> [kind, children, longest list]; kind "dict" / "list" / "leaf"
+        list_items = 0
+        for fqn, path in value.items():
+            self.exact(fqn, str, f"{where} key")
+            at = f"{where}[{fqn!r}]"
+            if type(path) is not tuple or not path or type(path[0]) is not str:
+                raise self.corrupt(at, f"expected a tuple of names and indices, found {_describe_value(path)}")
+            if any(type(item) is not str and (type(item) is not int or item < 0) for item in path):
+                raise self.corrupt(at, "expected names (str) and list indices (non-negative int) only")
+            # (cost: the length of fqn, a distinct string of the file, so linear in its size overall)
+            if len(path) > len(fqn) + 1 or ".".join(map(str, path)) != fqn:
+                raise self.corrupt(at, f"the path does not spell its key ({len(path)} items)")
+            node = containers
+            for depth, item in enumerate(path):
+                kind = "leaf" if depth == len(path) - 1 else "list" if type(path[depth + 1]) is int else "dict"
+                entry = node.setdefault(item, [kind, {}, 0])
+                if entry[0] != kind:
+                    raise self.corrupt(at, f"{'.'.join(map(str, path[: depth + 1]))!r} is a {kind} here and a "
+                                       f"{entry[0]} in another entry")  # fmt: skip
+                if kind == "list":
+                    grown = path[depth + 1] + 1 - entry[2]
+                    if grown > 0:
+                        list_items += grown
+                        entry[2] += grown
+                        if list_items > self.budget:
+                            raise self.corrupt(at, f"list index {path[depth + 1]} is out of proportion to the file "
+                                               f"({self.budget} bytes)")  # fmt: skip
+                node = entry[1]
+        return dict(value)
 
     def consistent(self, metadata: Metadata) -> None:
-        """Every chunk lies inside its tensor, the chunks cover it, and each has its storage entry (else DCP would
-        fail deep inside a read, or leave part of a tensor unloaded without a word)."""
+        """Every chunk lies inside its tensor, the chunks tile it (no gap, no overlap), and each has its storage entry
+        (else DCP would fail deep inside a read, or leave part of a tensor unloaded without a word)."""
         storage = metadata.storage_data
         for fqn, entry in metadata.state_dict_metadata.items():
+            where = f"state_dict_metadata[{fqn!r}]"
             if isinstance(entry, dcp_metadata.BytesStorageMetadata):
                 if dcp_metadata.MetadataIndex(fqn) not in storage:
-                    raise self.corrupt(f"state_dict_metadata[{fqn!r}]", "no storage entry")
+                    raise self.corrupt(where, "no storage entry")
                 continue
-            volume = 0
             for chunk in entry.chunks:
                 if not len(chunk.offsets) == len(chunk.sizes) == len(entry.size) or any(
                     offset + size > bound
                     for offset, size, bound in zip(chunk.offsets, chunk.sizes, entry.size, strict=True)
                 ):
-                    raise self.corrupt(f"state_dict_metadata[{fqn!r}]", f"a chunk outside the tensor's {entry.size}")
-                volume += chunk.sizes.numel()
+                    raise self.corrupt(where, f"a chunk outside the tensor's {entry.size}")
                 if dcp_metadata.MetadataIndex(fqn, chunk.offsets) not in storage:
-                    raise self.corrupt(f"state_dict_metadata[{fqn!r}]", f"no storage entry for chunk {chunk.offsets}")
-            if volume != entry.size.numel():
-                raise self.corrupt(f"state_dict_metadata[{fqn!r}]", "the chunks do not cover the tensor")
+                    raise self.corrupt(where, f"no storage entry for chunk {chunk.offsets}")
+            self.tiled(entry, where)
+
+    def tiled(self, entry: dcp_metadata.TensorStorageMetadata, where: str) -> None:
+        """The chunks (inside the tensor) cover it exactly once. Summing volumes misses overlaps (two chunks at one
+        offset, and a part of the tensor that nothing loads), so each chunk marks the cells it covers of the grid
+        that all chunk edges cut the tensor into. DCP's layouts (every mesh dimension cutting one tensor dimension
+        into ranges) give one cell per chunk; a layout whose grid is far larger than its chunks is refused."""
+        boxes = [chunk for chunk in entry.chunks if chunk.sizes.numel() > 0]  # (an empty shard covers nothing)
+        cuts = [
+            sorted({0, bound}.union(*({chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d]} for chunk in boxes)))
+            for d, bound in enumerate(entry.size)
+        ]
+        if entry.size.numel() == 0:
+            return  # (nothing to load; every chunk is empty)
+        cells = 1
+        for edges in cuts:
+            cells *= len(edges) - 1
+            if cells > 8 * len(boxes) + 64:
+                raise self.corrupt(where, f"{len(entry.chunks)} chunks that do not tile the tensor's {entry.size} as "
+                                   "a grid of ranges (DCP's layouts do)")  # fmt: skip
+        covered = bytearray(cells)
+        for chunk in boxes:
+            ranges = [
+                range(bisect.bisect_left(edges, offset), bisect.bisect_left(edges, offset + size))
+                for edges, offset, size in zip(cuts, chunk.offsets, chunk.sizes, strict=True)
+            ]
+            for cell in itertools.product(*ranges):
+                index = 0
+                for edges, position in zip(cuts, cell, strict=True):
+                    index = index * (len(edges) - 1) + position
+                if covered[index]:
+                    raise self.corrupt(where, f"chunk {chunk.offsets} overlaps another chunk")
+                covered[index] = 1
+        if not all(covered):
+            raise self.corrupt(where, "the chunks do not cover the tensor")
 
 
 def _describe_value(value: Any) -> str:
@@ -626,7 +702,7 @@ def _read_dcp_metadata(data: bytes, path: str) -> Metadata:
             f"{path} is corrupt or truncated and cannot be read as DCP metadata ({type(error).__name__}: {error})"
         ) from None
     try:
-        return _Schema(path).metadata(raw)
+        return _Schema(path, len(data)).metadata(raw)
     except CheckpointError:
         raise
     except (ValueError, TypeError, OverflowError, RuntimeError, RecursionError) as error:
@@ -874,9 +950,12 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     ``path`` and fsync the directory: a crash leaves the previous file or the new one, never a torn one. ``path``
     may be a file, a link (replaced, not followed) or a checkpoint directory (swapped out, see :func:`_publish`)."""
     partial = _sibling(path, "partial")
+    _recover(path)  # (a newer copy that a kill left hidden goes in place before anything beside it is touched)
     if partial.is_dir() or partial.is_symlink():  # a sharded save's leftover, never a file this function wrote
-        _recover(path)
         _remove(partial)
+    # Older than `path` now: a finished file whose publish was killed before it began, a copy moved aside.
+    _remove(_sibling(path, "new"))
+    _remove(_sibling(path, "old"))
     with open(partial, "wb") as file:
         write(file)
         file.flush()
@@ -972,6 +1051,9 @@ def _publish(staging: Path, final: Path) -> None:
     - Without the exchange, a directory replacing a file or a link takes two renames (``final`` -> ``.NAME.old``,
       ``staging`` -> ``final``); between them ``final`` is missing, and the next save or load of ``final`` puts
       ``staging`` (the newer one) in place first (:func:`recover_checkpoint`).
+    - A file replacing a directory the same way is first renamed to ``.NAME.new``: a complete directory carries its
+      ``COMPLETE`` marker, but nothing tells a finished file at ``.NAME.partial`` from a torn one, so the name says
+      it (a finished copy that readers prefer to ``.NAME.old`` and the next save restores instead of overwriting).
     """
     exists = final.exists() or final.is_symlink()
     final_is_dir = final.is_dir() and not final.is_symlink()
@@ -988,6 +1070,11 @@ def _publish(staging: Path, final: Path) -> None:
     else:
         old = _sibling(final, "old")
         _remove(old)
+        if not staging.is_dir():
+            finished = _sibling(final, "new")
+            os.rename(staging, finished)
+            fsync_path(final.parent)  # (named finished before the older copy moves aside)
+            staging = finished
         os.rename(final, old)
         os.rename(staging, final)
         fsync_path(final.parent)
@@ -996,14 +1083,16 @@ def _publish(staging: Path, final: Path) -> None:
 
 
 def _sibling(final: Path, kind: str) -> Path:
-    """``.NAME.partial`` (a save in progress) or ``.NAME.old`` (the copy a two-rename publish moved aside)."""
+    """``.NAME.partial`` (a save in progress), ``.NAME.new`` (a finished one-file save being published) or
+    ``.NAME.old`` (the copy a two-rename publish moved aside)."""
     return final.with_name(f".{final.name}.{kind}")
 
 
 def _recover(final: Path) -> Path | None:
     """Where ``final`` is missing, or a directory retired by :func:`_publish` (no ``COMPLETE`` marker), put the
-    newest complete hidden copy in its place: ``.NAME.partial`` (the save that was being published), else
-    ``.NAME.old`` (the copy it replaced). Returns the copy restored, ``None`` when nothing needed restoring."""
+    newest complete hidden copy in its place: ``.NAME.partial`` or ``.NAME.new`` (the save that was being
+    published), else ``.NAME.old`` (the copy it replaced). Returns the copy restored, ``None`` when nothing needed
+    restoring."""
     retired = final.is_dir() and not final.is_symlink() and not (final / COMPLETE_FILE).exists()
     candidate = _newest_complete(final)
     if candidate == final:
@@ -1093,6 +1182,7 @@ def save_sharded(
         if restored is not None:
             _refuse_to_replace_newer(final, metadata)
         _remove(staging)  # what an interrupted earlier save left: incomplete, or older than `final`
+        _remove(_sibling(final, "new"))
         _remove(_sibling(final, "old"))
         staging.mkdir(parents=True)
 
@@ -1133,9 +1223,10 @@ def _newest_complete(path: Path) -> Path:
     retired = path.is_dir() and not path.is_symlink() and not (path / COMPLETE_FILE).exists()
     if path.is_symlink() or (path.exists() and not retired):
         return path
-    for candidate in (_sibling(path, "partial"), _sibling(path, "old")):
+    for candidate in (_sibling(path, "partial"), _sibling(path, "new"), _sibling(path, "old")):
+        # A file is complete under the names that only finished files get (.new, .old), never as .partial.
         if not candidate.is_symlink() and (
-            _is_complete(candidate) or (candidate.is_file() and candidate.name.endswith(".old"))
+            _is_complete(candidate) or (candidate.is_file() and not candidate.name.endswith(".partial"))
         ):
             log.warning("checkpoint %s was hidden by an interrupted save; reading %s", path, candidate)
             return candidate

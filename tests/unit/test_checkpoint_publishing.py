@@ -155,3 +155,52 @@ def test_an_interrupted_first_save_is_not_restored(tmp_path):
     assert ckpt.recover_checkpoint(final) is False and not final.exists()
     _save(final, 1)
     assert _step(final) == 1
+
+
+def _read_step(final: Path) -> int:
+    """The step a loader reads at ``final`` (the newest complete copy, wherever a kill left it)."""
+    return _step(ckpt._newest_complete(final))
+
+
+def _write_file(final: Path, step: int) -> None:
+    ckpt.write_atomically(final, lambda file: torch.save({"global_step": step}, file))
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_a_kill_while_a_file_is_published_never_hides_or_truncates_the_newest_copy(tmp_path, monkeypatch, kind):
+    """Without RENAME_EXCHANGE a one-file save replacing a directory takes two renames. The old code, killed between
+    them, left the new file at ``.NAME.partial``, which no reader took for finished (it read the older
+    ``.NAME.old``), and the next save opened ``.NAME.partial`` for writing, truncating the newest copy."""
+    monkeypatch.setattr(ckpt, "_exchange", lambda first, second: False)
+    k, between = 1, False
+    while True:
+        root = tmp_path / f"kill{k}"
+        root.mkdir()
+        final = _make_target(root, kind)
+        with monkeypatch.context() as patch:
+            calls = _kill_at(patch, k)
+            try:
+                _write_file(final, 2)
+                killed = False
+            except _Killed:
+                killed = True
+        between = between or not final.exists()
+        step = _read_step(final)
+        # Step 2 once it is finished and anywhere beside NAME; step 1 only while NAME still holds it untouched.
+        assert step == 2 or (step == 1 and final.exists()), (kind, k, calls)
+
+        def torn(file):  # the next save dies while writing its data
+            file.write(b"torn")
+            raise _Killed("write")
+
+        with pytest.raises(_Killed):
+            ckpt.write_atomically(final, torn)
+        assert _read_step(final) == step, (kind, k, calls)  # what was readable stays readable
+        _write_file(final, 3)
+        assert _read_step(final) == 3 and final.is_file()
+        leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith(".last.ckpt"))
+        assert leftovers in ([], [".last.ckpt.partial"]), leftovers  # (the torn write's file, overwritten next)
+        if not killed:
+            break
+        k += 1
+    assert k > 1 and (between or kind == "file")  # a kill left NAME missing (file over file: one replace)

@@ -304,3 +304,157 @@ def test_the_old_copy_of_a_one_file_checkpoint_is_read_when_a_kill_left_the_name
     io_plugin.save_checkpoint({"global_step": 3}, tmp_path / "last.ckpt")
     shutil.move(tmp_path / "last.ckpt", tmp_path / ".last.ckpt.old")  # the first of two renames
     assert io_plugin.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 3
+
+
+# ----------------------------------------------------------------------------------------------- review 2026-12
+
+
+def _crafted(tmp_path: Path, metadata: dcp_metadata.Metadata) -> dcp_metadata.Metadata:
+    """``metadata`` pickled into ``tmp_path / "crafted" / ".metadata"`` and read back by the package's reader."""
+    directory = tmp_path / "crafted"
+    directory.mkdir(exist_ok=True)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    return ckpt.SafeFileSystemReader(directory).read_metadata()
+
+
+def _tensor(size: list[int], chunks: list[tuple[list[int], list[int]]], fqn: str = "w") -> dcp_metadata.Metadata:
+    """Metadata of one float tensor ``fqn`` of ``size`` stored as ``chunks`` (offsets, sizes), each with its entry."""
+    entry = dcp_metadata.TensorStorageMetadata(
+        properties=dcp_metadata.TensorProperties(dtype=torch.float32),
+        size=torch.Size(size),
+        chunks=[dcp_metadata.ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+    )
+    storage = {
+        dcp_metadata.MetadataIndex(fqn, torch.Size(o)): _StorageInfo(SHARD, i * 64, 64)
+        for i, (o, _) in enumerate(chunks)
+    }
+    return dcp_metadata.Metadata(state_dict_metadata={fqn: entry}, storage_data=storage)
+
+
+def test_planner_data_written_by_dcp_for_nested_lists_and_dicts_is_read_as_written(tmp_path):
+    """The format the checks below hold files to: what ``dcp.save`` writes for optimizer ``param_groups``, lists
+    of dicts, keys with dots and empty keys."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    state = {
+        "model": get_model_state_dict(model),
+        "optimizer_0": get_optimizer_state_dict(model, optimizer),
+        "extra": {"a": [1, {"b": torch.ones(2)}, [torch.zeros(1)]], "": 3, "c.d": 4},
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "ck", no_dist=True)
+    trusted = _trusted_metadata(tmp_path / "ck")
+    assert trusted.planner_data["extra.a.2.0"] == ("extra", "a", 2, 0)  # (what the checks assume)
+    assert trusted.planner_data["optimizer_0.param_groups.0.lr"] == ("optimizer_0", "param_groups", 0, "lr")
+    safe = ckpt.SafeFileSystemReader(tmp_path / "ck").read_metadata()
+    assert safe.planner_data == trusted.planner_data
+    assert safe.state_dict_metadata == trusted.state_dict_metadata
+
+
+@pytest.mark.parametrize(
+    ("planner_data", "problem"),
+    [
+        ({"state_dict.w": ("state_dict", 10**8)}, "does not spell its key"),
+        ({"state_dict.100000000": ("state_dict", 10**8)}, "out of proportion"),  # a list grown to 10**8 items
+        ({"a.0": ("a", 0), "a.b": ("a", "b")}, "is a dict here and a list"),
+        ({"a": ("a",), "a.b": ("a", "b")}, "is a dict here and a leaf"),
+        ({"a.True": ("a", True)}, "names \\(str\\) and list indices"),
+        ({"a.-1": ("a", -1)}, "names \\(str\\) and list indices"),
+        ({"a": ["a"]}, "expected a tuple"),
+        ({"a": ()}, "expected a tuple"),
+        ({"0": (0,)}, "expected a tuple"),
+        ({"a": ("a", ("b",))}, "names \\(str\\) and list indices"),
+        ({"x": {"y": None}}, "expected a tuple"),
+        ([("a",)], "expected dict"),
+    ],
+)
+def test_planner_data_must_be_the_flattened_paths_of_its_keys(tmp_path, planner_data, problem):
+    """Loading rebuilds the nested state dict from these paths, extending every list to its largest index: an
+    arbitrary index made ``consolidate`` grow a list without limit (the old reader admitted any plain data)."""
+    metadata = _tensor([2], [([0], [2])], fqn="state_dict.w")
+    metadata.planner_data = planner_data
+    with pytest.raises(ckpt.CorruptCheckpointError, match=rf"crafted/\.metadata.*planner_data.*{problem}"):
+        _crafted(tmp_path, metadata)
+
+
+def test_a_tensor_record_or_chunk_list_shared_between_entries_is_refused(tmp_path):
+    """Pickle's memo lets a file reference one tensor record (or one chunk list) from every entry: checking M such
+    entries of N chunks cost M x N for a file of M + N bytes (126 KB took 18 s)."""
+    chunk = dcp_metadata.ChunkStorageMetadata(torch.Size([0]), torch.Size([1]))
+    shared = dcp_metadata.TensorStorageMetadata(
+        properties=dcp_metadata.TensorProperties(dtype=torch.float32), size=torch.Size([1]), chunks=[chunk]
+    )
+    storage = {dcp_metadata.MetadataIndex(f"p{i}", torch.Size([0])): _StorageInfo(SHARD, 0, 4) for i in range(3)}
+    metadata = dcp_metadata.Metadata(state_dict_metadata={f"p{i}": shared for i in range(3)}, storage_data=storage)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"'p1'.*shares its tensor record or chunk list with 'p0'"):
+        _crafted(tmp_path, metadata)
+    # Distinct records around one list: the same work, the same refusal.
+    metadata.state_dict_metadata = {f"p{i}": dataclasses.replace(shared) for i in range(3)}
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"'p1'\]\.chunks.*shares"):
+        _crafted(tmp_path, metadata)
+    # One record per entry (as DCP writes) reads.
+    metadata.state_dict_metadata = {f"p{i}": dataclasses.replace(shared, chunks=[chunk]) for i in range(3)}
+    assert set(_crafted(tmp_path, metadata).state_dict_metadata) == {"p0", "p1", "p2"}
+
+
+@pytest.mark.parametrize(
+    ("size", "chunks"),
+    [
+        ([4], [([0], [2]), ([0], [2])]),  # elements 2-3 were never loaded
+        ([4], [([0], [3]), ([1], [1])]),  # the volumes add up, element 3 is never loaded
+        ([4], [([0], [2])] * 2 + [([2], [2])]),  # one chunk listed twice
+        ([2, 2], [([0, 0], [2, 1]), ([0, 0], [1, 2]), ([1, 1], [1, 1])]),  # volume 5 for 4 elements
+        ([2, 2], [([0, 0], [2, 1]), ([1, 0], [1, 2])]),  # the volumes add up, [0, 1] is never loaded
+    ],
+)
+def test_overlapping_chunks_are_corrupt(tmp_path, size, chunks):
+    """The old reader summed chunk volumes, so overlapping chunks passed and part of the tensor kept whatever the
+    model held before the load."""
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"crafted/\.metadata.*\['w'\].*(overlaps|do not cover)"):
+        _crafted(tmp_path, _tensor(size, chunks))
+
+
+@pytest.mark.parametrize(
+    ("size", "chunks"),
+    [
+        ([], [([], [])]),  # a scalar
+        ([0], [([0], [0])]),
+        ([5], [([0], [3]), ([3], [2]), ([5], [0])]),  # uneven FSDP shards, one rank empty
+        ([4, 6], [([r, c], [2, 3]) for r in (0, 2) for c in (0, 3)]),  # FSDP x TP
+        ([4, 4], [([0, 0], [2, 4]), ([2, 0], [2, 1]), ([2, 1], [2, 3])]),  # not a product layout, still a tiling
+    ],
+)
+def test_chunks_that_tile_the_tensor_are_read(tmp_path, size, chunks):
+    metadata = _crafted(tmp_path, _tensor(size, chunks))
+    assert metadata.state_dict_metadata["w"].size == torch.Size(size)
+
+
+def test_a_huge_number_of_tiny_chunks_in_an_odd_layout_is_refused_quickly(tmp_path):
+    """A staircase of n chunks cuts the tensor into an n x n grid: refused (DCP's grids have one cell per chunk)
+    instead of spending n**2 on it."""
+    n = 3000
+    chunks = [([i, 0], [1, i + 1]) for i in range(n)] + [([i, i + 1], [1, n - i - 1]) for i in range(n - 1)]
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"do not tile the tensor.*as a grid"):
+        _crafted(tmp_path, _tensor([n, n], chunks))
+
+
+@pytest.mark.parametrize("transforms", [["stream.zstd"], ["x"], "stream.zstd", [None]])
+def test_storage_transforms_are_refused(tmp_path, transforms):
+    """DCP applies the transforms a file names (with zstandard installed, "stream.zstd" decompresses without a
+    bound); this package writes none, and torch writes None for a save without them."""
+    metadata = _tensor([2], [([0], [2])])
+    (key,) = metadata.storage_data
+    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], transform_descriptors=transforms)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"crafted/\.metadata.*transform_descriptors"):
+        _crafted(tmp_path, metadata)
+    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], transform_descriptors=[])
+    assert _crafted(tmp_path, metadata).storage_data[key].transform_descriptors is None
+
+
+def test_a_real_checkpoint_writes_no_transforms(tmp_path):
+    _save(tmp_path / "ck")
+    infos = _trusted_metadata(tmp_path / "ck").storage_data.values()
+    assert {info.transform_descriptors is None for info in infos} == {True}
