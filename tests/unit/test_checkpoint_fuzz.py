@@ -1,8 +1,10 @@
 """A seeded fuzz test of the DCP ``.metadata`` reader (issue 25): 2000+ mutations of a real ``.metadata`` written by
 ``dcp.save`` (byte flips, cuts, insertions, deletions, and structured ones: shard names swapped for paths outside
-the directory, BUILD and GLOBAL opcodes injected, global names rewritten, re-pickled objects with odd values). Every
-load either succeeds or raises one of the package's checkpoint errors; no file outside the directory is ever
-opened; no class (or the function whose cache torch uses for layouts) changes."""
+the directory, BUILD and GLOBAL opcodes injected, global names rewritten, re-pickled objects with odd values:
+``planner_data`` paths with huge list indices, tensor records and chunk lists shared between entries, overlapping
+chunks). Every load either succeeds or raises one of the package's checkpoint errors (the structured mutations known
+to be invalid always raise); no file outside the directory is ever opened; no class (or the function whose cache
+torch uses for layouts) changes."""
 
 from __future__ import annotations
 
@@ -73,8 +75,8 @@ class _PathWithState:
         return (pathlib.PosixPath, self.parts, (None, {"_str": self.shown}))
 
 
-def _structured(rng: random.Random, trusted: dcp_metadata.Metadata, decoy: Path) -> bytes:
-    """Re-pickle the metadata with one field replaced by an odd value."""
+def _structured(rng: random.Random, trusted: dcp_metadata.Metadata, decoy: Path) -> tuple[bytes, bool]:
+    """Re-pickle the metadata with one field replaced by an odd value; also whether the reader must refuse it."""
     metadata = pickle.loads(pickle.dumps(trusted))
     names = [
         "../decoy.distcp",
@@ -91,8 +93,10 @@ def _structured(rng: random.Random, trusted: dcp_metadata.Metadata, decoy: Path)
         None,
         3,
     ]
-    kind = rng.randrange(6)
+    kind = rng.randrange(9)
+    refuse = False
     keys = list(metadata.storage_data)
+    tensors = [fqn for fqn, e in metadata.state_dict_metadata.items() if hasattr(e, "chunks")]
     key = rng.choice(keys)
     info = metadata.storage_data[key]
     if kind == 0:
@@ -112,13 +116,44 @@ def _structured(rng: random.Random, trusted: dcp_metadata.Metadata, decoy: Path)
             metadata.state_dict_metadata[fqn] = rng.choice([None, 1, "x", dcp_metadata.ChunkStorageMetadata])
     elif kind == 4:
         metadata.planner_data = rng.choice([{"a": [[[]]]}, {1: (1, 2)}, [1, 2.0, b"x"], {"x": {"y": None}}])
-    else:
+    elif kind == 5:
         metadata.storage_meta = rng.choice([None, dcp_metadata.StorageMeta(checkpoint_id="/elsewhere"), 7])
-    return pickle.dumps(metadata, protocol=rng.choice([2, 4, 5]))
+    elif kind == 6:  # a path whose list index would grow a list without bound when the state dict is rebuilt
+        fqn, path = rng.choice(list(metadata.planner_data.items()))
+        index = rng.choice([10**5, 10**8, 2**62, 2**64, 10**30])
+        path = (*path[: rng.randrange(1, len(path) + 1)], index, *rng.choice([(), ("x",), (0,)]))
+        key = rng.choice([fqn, ".".join(map(str, path))])  # under its own key or one that spells the path
+        if rng.random() < 0.5:
+            del metadata.planner_data[fqn]
+        metadata.planner_data[key] = path
+        refuse = True
+    elif kind == 7:  # one tensor record or chunk list referenced by two entries (pickle's memo keeps one copy)
+        first, second = rng.sample(tensors, 2)
+        if rng.random() < 0.5:
+            metadata.state_dict_metadata[second] = metadata.state_dict_metadata[first]
+        else:
+            metadata.state_dict_metadata[second].chunks = metadata.state_dict_metadata[first].chunks
+        refuse = True
+    else:  # chunks that overlap while their volumes add up (the last row of the tensor would never load)
+        entry = metadata.state_dict_metadata[rng.choice(tensors)]
+        zeros = torch.Size([0] * len(entry.size))
+        rows = rng.randrange(1, entry.size[0])
+        first = dcp_metadata.ChunkStorageMetadata(zeros, torch.Size([entry.size[0] - rows, *entry.size[1:]]))
+        second = dcp_metadata.ChunkStorageMetadata(zeros, torch.Size([rows, *entry.size[1:]]))
+        entry.chunks = rng.choice([[first, second], [second, first], [first, first, second]])
+        refuse = True
+    return pickle.dumps(metadata, protocol=rng.choice([2, 4, 5])), refuse
 
 
-def _mutate(rng: random.Random, data: bytes, trusted: dcp_metadata.Metadata, decoy: Path) -> bytes:
-    kind = rng.randrange(8)
+def _mutate(rng: random.Random, data: bytes, trusted: dcp_metadata.Metadata, decoy: Path) -> tuple[bytes, bool]:
+    """A mutation of ``data``, and whether the reader must refuse it (known only for some structured ones)."""
+    if rng.randrange(8) == 7:
+        return _structured(rng, trusted, decoy)
+    return _raw_mutation(rng, data), False
+
+
+def _raw_mutation(rng: random.Random, data: bytes) -> bytes:
+    kind = rng.randrange(7)
     at = rng.randrange(len(data))
     if kind == 0:  # flip bytes
         out = bytearray(data)
@@ -143,11 +178,10 @@ def _mutate(rng: random.Random, data: bytes, trusted: dcp_metadata.Metadata, dec
             if old in data and rng.random() < 0.5:
                 return data.replace(old, new[: len(old)].ljust(len(old), b"_"), 1)
         return data.replace(b"BytesStorageMetadata", b"BytesStorageMetadatb", 1)
-    if kind == 6:  # swap the shard name for another of the same length (SHORT_BINUNICODE keeps its length byte)
-        return data.replace(
-            SHARD, rng.choice([b"../decoy.dis", b"/tmp/x.distc", b"COMPLETE\x00\x00\x00\x00", b"meta.pt/////"])
-        )
-    return _structured(rng, trusted, decoy)
+    # swap the shard name for another of the same length (SHORT_BINUNICODE keeps its length byte)
+    return data.replace(
+        SHARD, rng.choice([b"../decoy.dis", b"/tmp/x.distc", b"COMPLETE\x00\x00\x00\x00", b"meta.pt/////"])
+    )
 
 
 def test_metadata_fuzz_reads_nothing_outside_changes_no_class_and_raises_only_checkpoint_errors(tmp_path, monkeypatch):
@@ -197,9 +231,11 @@ def test_metadata_fuzz_reads_nothing_outside_changes_no_class_and_raises_only_ch
     marker = json.loads((directory / ckpt.COMPLETE_FILE).read_text())
     target = _model()  # (reused: a load only writes values into it; the optimizer is new every time)
     rng = random.Random(25)
+    must_refuse = 0
     outcomes: dict[str, int] = {}
     for attempt in range(MUTATIONS):
-        data = _mutate(rng, genuine, trusted, decoy)
+        data, refuse = _mutate(rng, genuine, trusted, decoy)
+        must_refuse += refuse
         (directory / ".metadata").write_bytes(data)
         # A crafted checkpoint comes with a matching marker (written here without fsync: 2000 times).
         marker["files"][".metadata"] = len(data)
@@ -213,6 +249,7 @@ def test_metadata_fuzz_reads_nothing_outside_changes_no_class_and_raises_only_ch
             pytest.fail(f"attempt {attempt} raised {type(error).__name__}: {error} (mutated file: {data!r})")
         else:
             outcomes["loaded"] = outcomes.get("loaded", 0) + 1
+            assert not refuse, f"attempt {attempt} loaded a file it must refuse (mutated file: {data!r})"
         assert not opened_outside, f"attempt {attempt} opened {opened_outside} (mutated file: {data!r})"
 
     assert {obj: dict(vars(obj)) for obj in watched} == before
@@ -221,3 +258,4 @@ def test_metadata_fuzz_reads_nothing_outside_changes_no_class_and_raises_only_ch
     assert outcomes.get("UnsafeCheckpointError", 0) > 100, outcomes
     assert outcomes.get("CorruptCheckpointError", 0) > 100, outcomes
     assert outcomes.get("loaded", 0) > 10, outcomes
+    assert must_refuse > 40, must_refuse
