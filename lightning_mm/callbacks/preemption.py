@@ -96,6 +96,7 @@ class PreemptionCheckpoint(L.Callback):
         self._own_watchdog: RankWatchdog | None = None
         self._signalled_at: float | None = None
         self._agreed = False
+        self._saving = False  # inside a checkpoint save (the deadline pauses)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum  # only this: a signal handler must not run collectives or I/O
@@ -106,7 +107,7 @@ class PreemptionCheckpoint(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After Lightning registered its own SIGTERM handler (at the start of fit): this one replaces it for the
         # training loop and the previous ones come back at the end.
-        self.received, self._stop, self._signalled_at, self._agreed = 0, None, None, False  # a fresh fit
+        self.received, self._stop, self._signalled_at, self._agreed, self._saving = 0, None, None, False, False
         self._step_at_batch_start = None
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handler)
@@ -158,6 +159,7 @@ class PreemptionCheckpoint(L.Callback):
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        self._progressed()
         self._raise_if_stopping(trainer, pl_module)
         self._step_at_batch_start = trainer.global_step
 
@@ -179,10 +181,31 @@ class PreemptionCheckpoint(L.Callback):
     ) -> None:
         self._progressed()
 
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._progressed()
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._progressed()
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._progressed()
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint is being written (ours, a ModelCheckpoint's at a batch or validation end, ...): every rank
+        # takes part, and a sharded save of a large model may take minutes. Saving is progress, not a stuck rank:
+        # the deadline pauses until the next batch starts or ends (no hook marks the end of a save).
+        self._saving = True
+
     def _progressed(self) -> None:
-        """This rank finished a batch: the deadline counts from here. A rank is *stuck* when it finishes no batch for
-        ``boundary_timeout_s`` after the signal; a long accumulation or a validation pass of many batches between
-        the signal and the boundary is slow, not stuck, and still ends with the checkpoint."""
+        """This rank made progress (a batch, a validation pass or an epoch started or ended): the deadline counts from
+        here. A rank is *stuck* when it makes none for ``boundary_timeout_s`` after the signal (outside a checkpoint
+        save); a long accumulation or a validation pass of many batches between the signal and the boundary is
+        slow, not stuck, and still ends with the checkpoint."""
+        self._saving = False
         if self._signalled_at is not None:
             self._signalled_at = time.monotonic()
 
@@ -215,7 +238,8 @@ class PreemptionCheckpoint(L.Callback):
         trainer.save_checkpoint(path)
         self._stop = (
             f"preempted: {name} received on rank(s) {ranks}; saved a checkpoint after {step} optimizer steps to "
-            f"{str(path)!r}; resume with ckpt_path={str(path)!r} (or 'last')"
+            f"{str(path)!r}; resume with ckpt_path={str(path)!r} (ckpt_path='last' finds it when ModelCheckpoint's "
+            "dirpath is fixed, not a logger's per-run version directory)"
         )
 
     def _raise_if_stopping(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -242,7 +266,7 @@ class PreemptionCheckpoint(L.Callback):
                     self.received = signum
         if self.received and self._signalled_at is None:
             self._signalled_at = time.monotonic()
-        if self._signalled_at is None or self._agreed or self.boundary_timeout_s is None:
+        if self._signalled_at is None or self._agreed or self._saving or self.boundary_timeout_s is None:
             return None
         waited = time.monotonic() - self._signalled_at
         if waited < self.boundary_timeout_s:
