@@ -2,10 +2,22 @@
 and a LLaVA-style vision-language model (CLIP vision tower + projector + Llama decoder).
 
 fsdp2 (2 ranks), tp2 (2), pp2 (2, 1F1B, auto split) and pp2 x fsdp2 (4): 5 AdamW steps with gradient clipping on
-batches with padding; per-step losses equal one process on the whole batch within 1e-5 relative and the final
-weights within lr / 10 (Adam's rounding-level updates, see the test). bf16-mixed under fsdp2 runs and stays
-within 2 % of the fp32 losses. LLaVA: fsdp2 and pp2 (vision tower, projector and embeddings on stage 0) likewise;
+batches with padding, in float32. LLaVA: fsdp2 and pp2 (vision tower, projector and embeddings on stage 0) likewise;
 Llama with LoRA adapters: pp2 (the adapters travel with their layers). fsdp2 with activation checkpointing too.
+bf16-mixed under fsdp2 runs and stays within 2 % of the fp32 losses.
+
+The tolerance is a noise floor measured in the same test (:func:`tests.helpers.assert_float32_noise`), not a number
+tuned to one machine: the float32 mesh run must be as close to the float64 one-process run as the float32
+one-process run is, within the FLOAT32_* factors (per-step losses; all parameters together; each parameter alone).
+Frozen parameters (LoRA's base weights) must equal the reference bit for bit.
+
+Why not float64 with 1e-10, as test_strategy_parity: transformers' ``LlamaRMSNorm`` computes in float32 whatever
+the model's dtype (and rounds its input gradient to float32 in backward). Measured in float64 (llama, default threads):
+fsdp2, tp2 and pp2 equal one process within 1.6e-16 relative in the losses and 1.2e-14 absolute in the parameters,
+but only because the ranks' float64 differences (~1e-16) rarely cross a float32 rounding boundary; where one does,
+a gradient element moves by float32 rounding and AdamW turns that into up to lr * dg / eps (estimated ~1e-5 here,
+not observed): a float64 test with 1e-9 could fail by chance on some machine or thread count. The noise floor
+moves with the float32 rounding. MEASURED below.
 """
 
 from __future__ import annotations
@@ -18,11 +30,22 @@ import torch
 
 from lightning_mm.models.hf import HFCausalLMModule  # needs the [hf] extra (scripts/setup.sh installs it)
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, full_copy, run_distributed
+from tests.helpers import LossRecorder, assert_float32_noise, full_copy, precision_settings, run_distributed
 from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, token_batches
 
 STEPS, SEED, CLIP, LR = 5, 0, 1.0, 3e-3
 GLOBAL_BATCH = 8
+FLOAT32_FACTOR, FLOAT32_PARAMS_FACTOR, FLOAT32_PARAM_FACTOR = 10.0, 30.0, 100.0
+"""float32 mesh runs: the distance from the float64 one-process result is at most this many times the float32
+one-process run's distance from it: over the losses of all steps (each rank's); over all parameters together; each
+parameter alone (a heavy-tailed ratio: AdamW turns rounding of near-zero gradients into steps of up to lr). The old
+fixed tolerances were 1e-5 relative in the losses and lr / 10 per weight. A lost, doubled or mis-scaled update
+moves a parameter by its whole update, far above the floor."""
+MEASURED = """
+float32 noise ratios with LIGHTNING_MM_TEST_THREADS=1, =2 and unset (losses worst rank; all parameters; worst single
+parameter): llama fsdp2, fsdp2_ac, pp2, pp2_fsdp2 1.09, 1.08, 1.10-1.11; llama tp2 0.46, 0.47, 0.51; llava fsdp2
+0.99-1.72, 0.79-1.03, 1.43-2.30; llava pp2 1.72, 0.85-1.05, 1.58-2.29; llama_lora pp2 1.03, 1.06, 2.54.
+"""
 
 MESHES = {
     "fsdp2": (2, {"data_parallel_shard": 2}),
@@ -70,7 +93,6 @@ def trainer(devices: int, strategy, precision: str = "32-true", **kwargs) -> L.T
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        precision=precision,
         max_steps=STEPS,
         gradient_clip_val=CLIP,
         logger=False,
@@ -79,6 +101,7 @@ def trainer(devices: int, strategy, precision: str = "32-true", **kwargs) -> L.T
         enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[LossRecorder()],
+        **precision_settings(precision),
         **kwargs,
     )
 
@@ -108,13 +131,17 @@ def parallel(model: str, mesh: str, precision: str = "32-true") -> list[dict]:
 
 
 @functools.cache
-def reference(model: str) -> dict:
+def reference(model: str, precision: str = "32-true") -> dict:
     config, batches, extra = MODELS[model]
     L.seed_everything(SEED, verbose=False)
     module = HFCausalLMModule(config=config, learning_rate=LR, **extra)
-    fit = trainer(1, "auto")
+    fit = trainer(1, "auto", precision)
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(0, 1), batch_size=None))
     return {"losses": fit.callbacks[0].losses, "params": {n: full_copy(p) for n, p in module.named_parameters()}}
+
+
+def _losses(run: dict) -> torch.Tensor:
+    return torch.tensor(run["losses"], dtype=torch.float64)
 
 
 @pytest.mark.slow
@@ -122,24 +149,47 @@ def reference(model: str) -> dict:
     "model, mesh", [("llama", mesh) for mesh in MESHES] + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
 )
 def test_hf_model_matches_one_process(model, mesh):
-    expected = reference(model)
-    assert len(expected["losses"]) == STEPS and expected["losses"][-1] < expected["losses"][0]
+    """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are
+    printed (``pytest -s``)."""
+    exact, single = reference(model, "64-true"), reference(model)
+    assert len(single["losses"]) == STEPS and single["losses"][-1] < single["losses"][0]
     merged: dict[str, torch.Tensor] = {}
     results = parallel(model, mesh)
     if mesh.startswith("pp"):  # each pipeline rank holds only its stage's layers
-        assert all(len(r["params"]) < len(expected["params"]) for r in results)
-    for result in results:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
+        assert all(len(r["params"]) < len(exact["params"]) for r in results)
+    ratios = {}
+    for rank, result in enumerate(results):
+        ratios[f"losses (rank {rank})"] = assert_float32_noise(
+            _losses(result), _losses(single), _losses(exact), FLOAT32_FACTOR, f"rank {rank} losses"
+        )
         for name, value in result["params"].items():
             if name in merged:  # ranks holding the same parameter (dp / tp peers) agree exactly
                 torch.testing.assert_close(value, merged[name], rtol=0, atol=0)
             merged[name] = value
-    assert set(merged) == set(expected["params"])  # FQNs unchanged; the pipeline stages together hold every weight
-    for name, value in expected["params"].items():
-        # Adam's first update of an element is lr * g / (|g| + eps): where g is at rounding level (measured: 6.5e-9
-        # for one o_proj element at step 0, median |g| 5e-3), rounding decides a sizeable fraction of lr. Weights
-        # therefore get an absolute tolerance of lr / 10; the per-step losses above are the tight check.
-        torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=LR / 10, msg=lambda m, n=name: f"{n}: {m}")
+    assert set(merged) == set(exact["params"])  # FQNs unchanged; the pipeline stages together hold every weight
+    assert all(value.dtype == torch.float32 for value in merged.values())
+    trained = [
+        name for name in exact["params"] if not torch.equal(single["params"][name].double(), exact["params"][name])
+    ]
+    ratios["parameters"] = assert_float32_noise(
+        torch.cat([merged[n].double().flatten() for n in trained]),
+        torch.cat([single["params"][n].double().flatten() for n in trained]),
+        torch.cat([exact["params"][n].flatten() for n in trained]),
+        FLOAT32_PARAMS_FACTOR,
+        "parameters",
+    )
+    for name, expected in exact["params"].items():
+        if name not in trained:  # frozen (LoRA's base weights): float32 and float64 runs kept the initial values
+            assert torch.equal(merged[name].double(), expected), f"{name}: frozen, but differs from one process"
+            continue
+        ratios[name] = assert_float32_noise(merged[name], single["params"][name], expected, FLOAT32_PARAM_FACTOR, name)
+    assert len(trained) > len(exact["params"]) // 10  # the noise checks cover the trained weights
+    worst = max((n for n in ratios if n in trained), key=ratios.get)
+    loss_ratio = max(v for n, v in ratios.items() if n.startswith("losses"))
+    print(
+        f"\n{model} {mesh} float32 noise ratios: losses {loss_ratio:.2f}, parameters {ratios['parameters']:.2f}, "
+        f"worst parameter {ratios[worst]:.2f} ({worst})"
+    )
 
 
 @pytest.mark.slow
