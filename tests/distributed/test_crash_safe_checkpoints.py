@@ -13,24 +13,22 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "reliability_scripts" / "save_kill.py"
+from lightning_mm.testing import run_in_process
+from tests.reliability_scripts import save_kill
+
 STEPS = 6
 COMPLETE = "COMPLETE"
 
 
 def _run(out: Path, ckpt_dir: Path, fmt: str, kill_at: int = 0) -> int:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    """One run of save_kill.py in a fresh process (forked from a preloaded server: the ~20 runs of a format would
+    spend most of their time importing torch and Lightning again); its exit code, -9 when the switch killed it."""
     fmt, _, variant = fmt.partition("_")
-    command = [
-        sys.executable,
-        str(SCRIPT),
+    argv = [
         "--out",
         str(out),
         "--ckpt-dir",
@@ -43,7 +41,7 @@ def _run(out: Path, ckpt_dir: Path, fmt: str, kill_at: int = 0) -> int:
         str(kill_at),
         *(["--no-exchange"] if variant == "no_exchange" else []),
     ]
-    return subprocess.run(command, env=env, capture_output=True, timeout=300).returncode
+    return run_in_process(save_kill.main, argv, timeout=300)
 
 
 def _losses(out: Path) -> list[dict]:

@@ -113,7 +113,7 @@ class KillSwitch:
             setattr(module, name, wrapped)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt-dir", required=True)
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--no-exchange", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.no_exchange:
         ckpt._exchange = lambda first, second: False  # (before the switch wraps it: the attempt is still an event)
     torch.set_num_threads(1)

@@ -395,11 +395,12 @@ class VLMPipelineObjective(PipelineObjective):
             self._prob_sums = probs.new_zeros(sum(self.decision_sizes), dtype=torch.float64)
         self._router_counts += counts.sum(dim=0).to(torch.float64)
         self._prob_sums += probs.detach().sum(dim=0).to(torch.float64)
+        self._loss_dtype = torch.promote_types(probs.dtype, torch.float32)  # the float64 accumulators must not promote the losses
         self._caption_parts.append(at_least_float32(self._caption(logits.detach(), target)))
 
     def prepare(self, group: dist.ProcessGroup | None, train: bool) -> None:
         self._global_router_counts = list(all_reduce_sum(self._router_counts, group).split(self.decision_sizes))
-        moe_aux = at_least_float32(self._balance_loss(self._prob_sums))
+        moe_aux = self._balance_loss(self._prob_sums).to(self._loss_dtype)
         # The contrastive loss of the whole batch, on leaves: its value, and the gradients the training pass needs.
         image = self._image[self._pairs].requires_grad_(train)
         text = self._text[self._pairs].requires_grad_(train)
