@@ -1,8 +1,9 @@
 """Helpers for tests and CPU benchmarks, not used by the training code itself.
 
 ``launch``         :func:`run_distributed` runs a function on N local gloo ranks as torchrun would start them;
-                   :func:`run_in_process` runs one in a fresh
-                   process (both forked from a server that has imported torch and Lightning once); :func:`free_port`; :func:`test_threads` (``LIGHTNING_MM_TEST_THREADS``: threads per process).
+                   :func:`run_in_process` runs one in a fresh process (both fork from a server that has imported
+                   torch and Lightning once); :func:`free_port`; :func:`test_threads` (``LIGHTNING_MM_TEST_THREADS``:
+                   threads per process).
 ``wandb_offline``  :func:`find_offline_runs`, :func:`read_offline_history`, :func:`metric_series`: the metrics of
                    an offline W&B run, read without uploading it.
 """

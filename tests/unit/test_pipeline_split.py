@@ -193,4 +193,4 @@ def test_objective_equals_the_unsplit_losses_and_survives_inference_mode():
         ("contrastive_loss", expected.contrastive),
         ("moe_aux_loss", expected.moe_aux),
     ):
-        torch.testing.assert_close(got[name], want.float(), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want.float(), msg=lambda m, name=name: f"{name}: {m}")

@@ -395,7 +395,8 @@ class VLMPipelineObjective(PipelineObjective):
             self._prob_sums = probs.new_zeros(sum(self.decision_sizes), dtype=torch.float64)
         self._router_counts += counts.sum(dim=0).to(torch.float64)
         self._prob_sums += probs.detach().sum(dim=0).to(torch.float64)
-        self._loss_dtype = torch.promote_types(probs.dtype, torch.float32)  # the float64 accumulators must not promote the losses
+        # The losses keep the model's dtype (at least float32): the float64 accumulators must not promote them.
+        self._loss_dtype = torch.promote_types(probs.dtype, torch.float32)
         self._caption_parts.append(at_least_float32(self._caption(logits.detach(), target)))
 
     def prepare(self, group: dist.ProcessGroup | None, train: bool) -> None:
