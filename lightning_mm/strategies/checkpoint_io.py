@@ -23,7 +23,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_mm.checkpoint import _newest_complete, safe_load, write_atomically
+from lightning_mm.checkpoint import safe_load, write_atomically
+from lightning_mm.checkpoint.publish import _newest_complete
 from lightning_mm.strategies._compat import is_local_file_protocol
 
 __all__ = ["AtomicCheckpointIO"]

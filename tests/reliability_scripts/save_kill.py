@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-import lightning_mm.checkpoint as ckpt
+from lightning_mm.checkpoint import publish
 from lightning_mm.strategies import HybridParallelStrategy
 
 
@@ -99,7 +99,13 @@ class KillSwitch:
             return original_open(file, mode, *args, **kwargs)
 
         builtins.open = io.open = open_
-        for module, name in ((os, "rename"), (os, "replace"), (os, "unlink"), (shutil, "rmtree"), (ckpt, "_exchange")):
+        for module, name in (
+            (os, "rename"),
+            (os, "replace"),
+            (os, "unlink"),
+            (shutil, "rmtree"),
+            (publish, "_exchange"),
+        ):
             original = getattr(module, name, None)
             if original is None:  # (an older lightning_mm without the atomic exchange: the negative control)
                 continue
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-exchange", action="store_true")
     args = parser.parse_args(argv)
     if args.no_exchange:
-        ckpt._exchange = lambda first, second: False  # (before the switch wraps it: the attempt is still an event)
+        publish._exchange = lambda first, second: False  # (before the switch wraps it: the attempt is still an event)
     torch.set_num_threads(1)
     out, ckpt_dir = Path(args.out), Path(args.ckpt_dir)
     out.mkdir(parents=True, exist_ok=True)

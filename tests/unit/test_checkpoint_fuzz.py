@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from lightning_mm import checkpoint as ckpt
+from lightning_mm.checkpoint import safe_pickle
 
 MUTATIONS = 2000
 SHARD = b"__0_0.distcp"
@@ -224,7 +225,7 @@ def test_metadata_fuzz_reads_nothing_outside_changes_no_class_and_raises_only_ch
         getattr(dcp_metadata, name) for name in dir(dcp_metadata) if isinstance(getattr(dcp_metadata, name), type)
     ]
     watched = admitted + [_StorageInfo, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.Path, torch.Size]
-    watched += [torch.serialization._get_layout, ckpt._Global, ckpt._Record]
+    watched += [torch.serialization._get_layout, safe_pickle._Global, safe_pickle._Record]
     before = {obj: dict(vars(obj)) for obj in watched}
     layout_cache = dict(torch.serialization._get_layout.cache)
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lightning_mm import checkpoint as ckpt
+from lightning_mm.checkpoint import publish
 
 
 class _Killed(BaseException):
@@ -50,7 +51,7 @@ def _sibling(final: Path, kind: str) -> Path:
 def _kill_at(monkeypatch, k: int) -> list[str]:
     """Make the ``k``-th rename / unlink / rmtree / exchange raise :class:`_Killed` before it runs."""
     calls: list[str] = []
-    for module, name in ((os, "rename"), (os, "replace"), (os, "unlink"), (shutil, "rmtree"), (ckpt, "_exchange")):
+    for module, name in ((os, "rename"), (os, "replace"), (os, "unlink"), (shutil, "rmtree"), (publish, "_exchange")):
         original = getattr(module, name)
 
         def wrapped(*args, _original=original, _name=name, **kwargs):
@@ -88,7 +89,7 @@ def _staged(root: Path, final: Path) -> Path:
 @pytest.mark.parametrize("kind", ["directory", "link", "file"])
 def test_a_kill_at_any_step_of_publishing_hides_nothing(tmp_path, monkeypatch, kind, exchange):
     if not exchange:  # a network or FUSE file system
-        monkeypatch.setattr(ckpt, "_exchange", lambda first, second: False)
+        monkeypatch.setattr(publish, "_exchange", lambda first, second: False)
     k = 1
     while True:
         root = tmp_path / f"kill{k}"
@@ -98,7 +99,7 @@ def test_a_kill_at_any_step_of_publishing_hides_nothing(tmp_path, monkeypatch, k
         with monkeypatch.context() as patch:
             calls = _kill_at(patch, k)
             try:
-                ckpt._publish(staging, final)
+                publish._publish(staging, final)
                 killed = False
             except _Killed:
                 killed = True
@@ -159,7 +160,7 @@ def test_an_interrupted_first_save_is_not_restored(tmp_path):
 
 def _read_step(final: Path) -> int:
     """The step a loader reads at ``final`` (the newest complete copy, wherever a kill left it)."""
-    return _step(ckpt._newest_complete(final))
+    return _step(publish._newest_complete(final))
 
 
 def _write_file(final: Path, step: int) -> None:
@@ -171,7 +172,7 @@ def test_a_kill_while_a_file_is_published_never_hides_or_truncates_the_newest_co
     """Without RENAME_EXCHANGE a one-file save replacing a directory takes two renames. The old code, killed between
     them, left the new file at ``.NAME.partial``, which no reader took for finished (it read the older
     ``.NAME.old``), and the next save opened ``.NAME.partial`` for writing, truncating the newest copy."""
-    monkeypatch.setattr(ckpt, "_exchange", lambda first, second: False)
+    monkeypatch.setattr(publish, "_exchange", lambda first, second: False)
     k, between = 1, False
     while True:
         root = tmp_path / f"kill{k}"

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from lightning_mm import checkpoint as ckpt
+from lightning_mm.checkpoint import files, publish
 from lightning_mm.strategies import AtomicCheckpointIO
 
 SHARD = "__0_0.distcp"
@@ -54,7 +55,7 @@ def _save(path: Path, seed: int = 0) -> nn.Module:
 def _reseal(directory: Path) -> None:
     """A crafted checkpoint comes with a matching COMPLETE marker (the marker guards against torn saves only)."""
     (directory / ckpt.COMPLETE_FILE).unlink()
-    ckpt._write_complete_marker(directory)
+    publish._write_complete_marker(directory)
 
 
 def _load(path: Path) -> nn.Module:
@@ -191,7 +192,7 @@ def test_the_reader_opens_no_link_even_when_the_marker_does_not_list_it(tmp_path
     (tmp_path / "ck" / SHARD).symlink_to(tmp_path / "other" / SHARD)
     state = {"state_dict": get_model_state_dict(_model(seed=7))}
     with pytest.raises(ckpt.UnsafeCheckpointError, match=rf"{SHARD}'?: it is a symbolic link"):
-        ckpt._dcp_load(
+        files._dcp_load(
             lambda reader: dcp.load(state, storage_reader=reader, planner=ckpt.SafeLoadPlanner(), no_dist=True),
             tmp_path / "ck",
             True,
@@ -203,7 +204,7 @@ def test_a_fifo_in_place_of_a_shard_is_refused_without_blocking(tmp_path):
     (tmp_path / "ck" / SHARD).unlink()
     os.mkfifo(tmp_path / "ck" / SHARD)
     with pytest.raises(ckpt.UnsafeCheckpointError, match=rf"{SHARD}'?: it is not a regular file"):
-        ckpt._open_inside(tmp_path / "ck", SHARD)
+        files._open_inside(tmp_path / "ck", SHARD)
 
 
 def test_a_checkpoint_directory_reached_through_a_link_loads(tmp_path):

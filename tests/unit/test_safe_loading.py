@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_mm import checkpoint as ckpt
+from lightning_mm.checkpoint import publish
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import run_distributed
 
@@ -51,7 +52,7 @@ def _reseal(directory: Path) -> None:
     """A crafted checkpoint comes with a matching COMPLETE marker (the marker guards against torn saves, not
     against an attacker)."""
     (directory / ckpt.COMPLETE_FILE).unlink()
-    ckpt._write_complete_marker(directory)
+    publish._write_complete_marker(directory)
 
 
 def _load(path: Path, weights_only=True) -> dict:
