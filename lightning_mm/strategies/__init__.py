@@ -2,7 +2,8 @@
 
 Importing this package registers ``HybridParallelStrategy`` in Lightning's strategy registry as ``"hybrid"``, so
 ``Trainer(strategy="hybrid")`` and ``trainer.strategy: hybrid`` in a LightningCLI config work after
-``import lightning_mm.strategies`` (the ``lightning-mm`` CLI imports it).
+``import lightning_mm.strategies`` (the ``lightning-mm`` CLI imports it), or after ``import lightning_mm`` in either
+order with ``import lightning`` (:mod:`lightning_mm`).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -13,9 +14,4 @@ from lightning_mm.strategies.precision import MeshFP16Precision
 
 __all__ = ["AtomicCheckpointIO", "HybridParallelStrategy", "MeshFP16Precision"]
 
-if HybridParallelStrategy.strategy_name not in StrategyRegistry:
-    StrategyRegistry.register(
-        HybridParallelStrategy.strategy_name,
-        HybridParallelStrategy,
-        description="FSDP2 / HSDP x tensor (+ sequence) parallel on an N-D device mesh (lightning-mm)",
-    )
+HybridParallelStrategy.register_strategies(StrategyRegistry)

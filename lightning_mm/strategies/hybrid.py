@@ -167,6 +167,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     strategy_name = "hybrid"
 
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"hybrid"`` (Lightning's convention: each strategy class registers its own names)."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="FSDP2 / HSDP x tensor (+ sequence) x pipeline x expert parallel on an N-D device mesh "
+                "(lightning-mm)",
+            )
+
     def __init__(
         self,
         data_parallel_replicate: int = 1,

@@ -1,10 +1,12 @@
 """The package's import arrows: ``parallel/`` is plain torch, ``models/`` does not pull in the strategies, and the
-registry name works after ``import lightning_mm.strategies`` alone."""
+registry name works after ``import lightning_mm.strategies`` alone, or ``import lightning_mm`` in either order."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
 
 
 def _run(code: str) -> str:
@@ -20,14 +22,97 @@ def test_parallel_imports_neither_lightning_nor_models():
     assert out == "[]"
 
 
-def test_models_do_not_import_strategies():
-    out = _run("import sys, lightning_mm.models; print([m for m in sys.modules if m.startswith('lightning_mm.strat')])")
-    assert out == "[]"
+def _package_imports() -> dict[str, set[str]]:
+    """``{module: lightning_mm modules it imports}`` for every module of the package, read from the source: imports
+    at any depth (inside functions too: a lazy import is still an arrow), relative ones resolved, ``from pkg import
+    mod`` counted as an import of ``pkg.mod``."""
+    import ast
+    from pathlib import Path
+
+    import lightning_mm
+
+    root = Path(lightning_mm.__file__).parent
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = ("lightning_mm", *path.relative_to(root).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                imported.add(base)
+                imported |= {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in files}
+        graph[name] = {m for m in imported if m in files and m != name}
+    return graph
 
 
-def test_hybrid_registered_by_importing_strategies_alone():
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Modules ``start`` reaches through the package's own imports. The package root is not followed: it only
+    registers the strategy once Lightning is loaded (``lightning_mm/__init__.py``), it is not a dependency."""
+    seen, todo = set(), [start]
+    while todo:
+        for module in graph[todo.pop()] - seen - {"lightning_mm"}:
+            seen.add(module)
+            todo.append(module)
+    return seen
+
+
+_GLUE = ("lightning_mm.strategies", "lightning_mm.callbacks", "lightning_mm.cli")
+
+
+def _glue_reached(graph: dict[str, set[str]], package: str) -> dict[str, list[str]]:
+    """``{module of package: glue modules it reaches}`` for the modules that reach any."""
+    found = {
+        module: sorted(m for m in _reachable(graph, module) if m.startswith(_GLUE))
+        for module in graph
+        if module == package or module.startswith(package + ".")
+    }
+    return {module: reached for module, reached in found.items() if reached}
+
+
+@pytest.mark.parametrize("package", ["lightning_mm.models", "lightning_mm.parallel"])
+def test_models_and_parallel_reach_no_strategy(package):
+    """No module under ``models/`` (``models/hf`` included) or ``parallel/`` reaches ``strategies/``, ``callbacks/``
+    or the CLI through any chain of imports: the model says how it is parallelized, the strategy glues it to
+    Lightning, never the reverse. (A runtime check of ``sys.modules`` cannot say this any more: importing Lightning
+    registers the strategy.)"""
+    graph = _package_imports()
+    assert any(module.startswith(package + ".") for module in graph)
+    assert _glue_reached(graph, package) == {}
+
+
+def test_a_chain_into_the_glue_is_found():
+    graph = {
+        "lightning_mm.models.a": {"lightning_mm.datamodules.b"},
+        "lightning_mm.datamodules.b": {"lightning_mm.callbacks.c"},
+        "lightning_mm.callbacks.c": set(),
+        "lightning_mm.parallel.d": {"lightning_mm"},  # the root registers the strategy; not a dependency
+        "lightning_mm": {"lightning_mm.strategies"},
+        "lightning_mm.strategies": set(),
+    }
+    assert _glue_reached(graph, "lightning_mm.models") == {"lightning_mm.models.a": ["lightning_mm.callbacks.c"]}
+    assert _glue_reached(graph, "lightning_mm.parallel") == {}
+    assert "lightning_mm.parallel.dims" in _reachable(_package_imports(), "lightning_mm.strategies.hybrid")
+
+
+@pytest.mark.parametrize(
+    "imports",
+    ["import lightning as L, lightning_mm.strategies", "import lightning_mm, lightning as L"],
+    ids=["strategies_alone", "lightning_mm_before_lightning"],
+)
+def test_hybrid_registered_whatever_was_imported_first(imports):
+    """``import lightning_mm`` before Lightning used to leave "hybrid" unregistered (it only registered when
+    Lightning was already imported); the import hook registers it once ``lightning.pytorch`` has loaded."""
     out = _run(
-        "import lightning as L, lightning_mm.strategies; "
+        f"{imports}; "
         "t = L.Trainer(strategy='hybrid', accelerator='cpu', devices=1, logger=False); "
         "print(type(t.strategy).__name__)"
     )
@@ -74,10 +159,3 @@ def test_hf_package_without_the_extra_says_what_to_install():
         "try:\n    import lightning_mm.models.hf\nexcept ImportError as e:\n    print('refused:', e)\n"
     )
     assert out.startswith("refused:") and "lightning-mm[hf]" in out
-
-
-def test_hf_models_do_not_import_strategies():
-    out = _run(
-        "import sys, lightning_mm.models.hf; print([m for m in sys.modules if m.startswith('lightning_mm.strat')])"
-    )
-    assert out == "[]"
