@@ -124,7 +124,7 @@ class CompressedAllToAll(pl.Callback):
             (:func:`~lightning_mm.parallel.compression.block_rotation`; ``block_size`` a power of two), the outlier
             care of 4-bit gradient exchange (SDP4Bit). The setting measured safe under AdamW from step 0 is
             ``CompressedAllToAll(topk_ratio=1.0, bits=4, rotation=True, scale_dtype="bfloat16")`` with error
-            feedback (README, "Compressed communication").
+            feedback (docs/compression.md, "Convergence under AdamW").
     """
 
     def __init__(
@@ -212,7 +212,7 @@ class CompressedAllToAll(pl.Callback):
 
     def _check_adaptive_topk(self, trainer: pl.Trainer) -> None:
         """Refuse (or, when allowed, warn about) Top-k gradients feeding an adaptive optimizer: measured to train
-        much worse (README, "Compressed communication")."""
+        much worse (docs/compression.md, "Top-k under AdamW")."""
         if self.config.topk_ratio >= 1.0:
             return
         adaptive = sorted(
@@ -226,7 +226,7 @@ class CompressedAllToAll(pl.Callback):
             "accumulated value, and per-element adaptive optimizers train much worse on that stream than on "
             "the dense one (reference model, AdamW: final loss +102 % at Top-1 % after 300 steps and +150 % after "
             "1000, +58 % at Top-10 %, +65 % with the 1-bit-Adam recipe of a frozen second moment; dense INT8 / INT4 "
-            "within the seed spread; README, 'Compressed communication'). Use topk_ratio=1.0 (dense INT8, or "
+            "within the seed spread; docs/compression.md, 'Top-k under AdamW'). Use topk_ratio=1.0 (dense INT8, or "
             "bits=4 with rotation=True), or ReplicaSync for 100x+ fewer bytes between replica groups"
         )
         if not self.allow_topk_with_adaptive_optimizer:

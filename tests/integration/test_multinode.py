@@ -1,5 +1,5 @@
-"""Two "nodes" on this machine (gloo, localhost only), through the ``lightning-mm`` CLI, as the README's multi-node
-recipes start them.
+"""Two "nodes" on this machine (gloo, localhost only), through the ``lightning-mm`` CLI, as the multi-node recipes
+start them (docs/multi-node.md, "torchrun" and "SLURM").
 
 * torchrun per node (``--nnodes=2 --nproc_per_node=2 --node_rank=0|1``), HSDP replicate=2 x shard=2: per-step losses
   equal a single-node 4-process run of the same mesh (1e-6).

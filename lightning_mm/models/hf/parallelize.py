@@ -152,8 +152,8 @@ def decoder_layout(root: nn.Module, lm: nn.Module) -> DecoderLayout:
             f"{type(lm).__name__} is not a decoder-only causal LM that lightning-mm's HF adapter knows: it has no "
             f"{', '.join(missing)}. Parallelize it by hand: FSDP2 needs nothing; pass tp_plan={{'fqn.pattern': "
             "'colwise' | 'rowwise', ...}} for tensor parallel, and for pipeline parallel write a LightningModule whose "
-            "model is a chain of layers and pass pipeline_split=[...] with a pipeline_loss hook (README, 'Bring your "
-            "own model')"
+            "model is a chain of layers and pass pipeline_split=[...] with a pipeline_loss hook "
+            "(docs/parallelism.md, 'Bring your own model')"
         )
     base = _name_of(root, decoder, "the decoder")
     # The base model (base_model_prefix): the decoder itself for a causal LM; for a LLaVA-style model the module that
