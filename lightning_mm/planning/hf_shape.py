@@ -1,0 +1,170 @@
+"""A Hugging Face Llama-style decoder's shape (:class:`CausalLMShape`), read from its ``config.json`` without
+``transformers``, as ``HFCausalLMModule`` parallelizes it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_mm.planning.collectives import ring_all_gather, ring_all_reduce
+from lightning_mm.planning.mesh import Mesh
+from lightning_mm.planning.shapes import INDEX, STATS, ModelShape, ParamShape, sdpa_saved_bytes
+from lightning_mm.planning.workload import Geometry
+
+
+def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """An HF ``config.json`` (a path to the file or its directory) or dict -> dict."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    return json.loads(path.read_text())
+
+
+class CausalLMShape(ModelShape):
+    """A Hugging Face Llama-style decoder (Llama, Mistral, Qwen2 families), as ``HFCausalLMModule`` parallelizes it:
+    FSDP units = decoder layers, TP from the model's ``base_model_tp_plan`` plus a vocab-sharded embedding and LM
+    head, pipeline units ``embed, layers..., norm, lm_head``."""
+
+    kind = "hf-causal-lm"
+    REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+    def __init__(self, config: str | Path | Mapping[str, Any]) -> None:
+        cfg = load_hf_config(config)
+        if "text_config" in cfg or "vision_config" in cfg:
+            raise ValueError(
+                "this config has a text_config / vision_config (a vision-language model): the planner models "
+                "decoder-only HF configs; pass the text config alone"
+            )
+        missing = [k for k in self.REQUIRED if k not in cfg]
+        if missing:
+            raise ValueError(f"HF config lacks {missing} (a Llama-style decoder config needs {list(self.REQUIRED)})")
+        self.cfg = cfg
+        self.model_type = str(cfg.get("model_type", "llama"))
+        self.name = f"hf:{self.model_type}"
+        h, i, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        hd = int(cfg.get("head_dim") or h // heads)
+        self.hidden, self.intermediate, self.layers = h, i, layers
+        self.heads, self.kv_heads, self.head_dim = heads, kv, hd
+        self.vocab_size = v = int(cfg["vocab_size"])
+        self.tied_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        qkv_bias = bool(cfg.get("attention_bias", self.model_type == "qwen2"))
+        o_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+        q, kvd = heads * hd, kv * hd
+        self.units = ("model.embed_tokens", *[f"model.layers.{n}" for n in range(layers)], "model.norm", "lm_head")
+        self.blocks = tuple(f"model.layers.{n}" for n in range(layers))
+        params = [ParamShape("model.embed_tokens.weight", (v, h), 0, "model.embed_tokens", None)]
+        for n in range(layers):
+            b = f"model.layers.{n}"
+            entries = [
+                ("self_attn.q_proj.weight", (q, h), 0),
+                ("self_attn.k_proj.weight", (kvd, h), 0),
+                ("self_attn.v_proj.weight", (kvd, h), 0),
+                ("self_attn.o_proj.weight", (h, q), 1),
+                ("mlp.gate_proj.weight", (i, h), 0),
+                ("mlp.up_proj.weight", (i, h), 0),
+                ("mlp.down_proj.weight", (h, i), 1),
+                ("input_layernorm.weight", (h,), None),
+                ("post_attention_layernorm.weight", (h,), None),
+            ]
+            if qkv_bias:
+                entries += [
+                    ("self_attn.q_proj.bias", (q,), 0),
+                    ("self_attn.k_proj.bias", (kvd,), 0),
+                    ("self_attn.v_proj.bias", (kvd,), 0),
+                ]
+            if o_bias:
+                entries += [("self_attn.o_proj.bias", (h,), None)]
+            if mlp_bias:
+                entries += [
+                    ("mlp.gate_proj.bias", (i,), 0),
+                    ("mlp.up_proj.bias", (i,), 0),
+                    ("mlp.down_proj.bias", (h,), None),
+                ]
+            params += [ParamShape(f"{b}.{name}", shape, dim, b, b) for name, shape, dim in entries]
+        params.append(ParamShape("model.norm.weight", (h,), None, "model.norm", None))
+        if not self.tied_embeddings:
+            params.append(ParamShape("lm_head.weight", (v, h), 0, "lm_head", None))
+        self.params = tuple(params)
+        self.head_counts = {"num_attention_heads": heads, "num_key_value_heads": kv}
+        self._layer_params = sum(p.numel for p in params if p.block == self.blocks[0]) if layers else 0
+
+    def unit_costs(self, geo: Geometry) -> dict[str, float]:
+        # As lightning_mm.models.hf.parallelize._unit_costs: 2 x parameters per unit; the embedding is a lookup.
+        costs = {u: 0.0 for u in self.units}
+        for p in self.params:
+            if p.unit != "model.embed_tokens":
+                costs[p.unit] += 2.0 * p.numel
+        return costs
+
+    def unit_flops(self, geo: Geometry) -> dict[str, tuple[float, float]]:
+        n, t = geo.n_tokens, geo.tokens
+        out = {u: (0.0, 0.0) for u in self.units}
+        layer = 2 * n * self._layer_params + 4 * n * t * self.heads * self.head_dim
+        for b in self.blocks:
+            out[b] = (float(layer), 0.0)
+        out["lm_head"] = (2.0 * n * self.hidden * self.vocab_size, 0.0)
+        return out
+
+    def _norm(self, a: int) -> float:
+        """RMSNorm per token: the fp32 input (or its fp32 copy), the normalised value and the weighted output, plus
+        the fp32 rsqrt; in bf16 the fp32 copy and the rsqrt are fp32, the rest bf16."""
+        return self.hidden * (STATS + 2 * a) + STATS
+
+    def block_activation_bytes(self, block: str, geo: Geometry, tp: int, a: int) -> float:
+        q, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_token = 2 * self._norm(a) + sdpa_saved_bytes(a, q, kvd, self.heads, tp) + a * 4 * self.intermediate / tp
+        return geo.n_tokens * per_token
+
+    def block_input_bytes(self, block: str, geo: Geometry, a: int) -> float:
+        return geo.n_tokens * self.hidden * a
+
+    def extra_activation_bytes(self, units: set[str], first: bool, last: bool, geo: Geometry, tp: int, a: int) -> float:
+        n, total = geo.n_tokens, 0.0
+        if "model.norm" in units:
+            total += n * self._norm(a)
+        if "lm_head" in units:
+            total += n * self.vocab_size * STATS  # log_softmax (fp32)
+        return total
+
+    def batch_bytes(self, geo: Geometry) -> float:
+        return geo.n_tokens * 4 * INDEX  # input ids, attention mask, labels and the shifted targets (int64)
+
+    def stage_input_bytes(self, geo: Geometry) -> float:
+        return geo.n_tokens * 2 * INDEX
+
+    def logits_bytes(self, geo: Geometry, tp: int, a: int) -> tuple[float, float]:
+        forward, backward = super().logits_bytes(geo, tp, a)
+        local = geo.n_tokens * self.vocab_size * a / tp if tp > 1 else 0.0  # the vocab shard before the all-gather
+        return forward + local, backward
+
+    def tp_bytes(self, units: set[str], geo: Geometry, tp: int, a: int) -> float:
+        size = geo.n_tokens * self.hidden * a
+        total = len(self.blocks_of(units)) * 7 * ring_all_reduce(size, tp)  # fwd: o, down; bwd: q, k, v, gate, up
+        if "model.embed_tokens" in units:
+            total += ring_all_reduce(size, tp)  # vocab-sharded embedding: forward all-reduce
+        if "lm_head" in units:
+            total += ring_all_gather(geo.n_tokens * self.vocab_size * a, tp) + ring_all_reduce(size, tp)
+        return total
+
+    def boundary_bytes(self, geo: Geometry, a: int) -> tuple[float, float]:
+        hidden = geo.n_tokens * self.hidden * a
+        return hidden + geo.n_tokens * INDEX, hidden  # hidden states + attention mask; their gradient
+
+    @property
+    def max_stages(self) -> int:
+        return self.layers  # decoder layers (the embedding, final norm and head ride with the first / last)
+
+    def refusals(self, mesh: Mesh) -> list[str]:
+        reasons = super().refusals(mesh)
+        if mesh.pp > 1 and self.model_type not in ("llama", "mistral", "qwen2"):
+            reasons.append(
+                f"pipeline_parallel: the HF adapter pipelines llama / mistral / qwen2, not {self.model_type}"
+            )
+        return reasons

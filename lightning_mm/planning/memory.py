@@ -1,0 +1,291 @@
+"""Bytes of live tensors on one rank of each pipeline stage, per optimizer step: sharded parameters, gradients and
+AdamW state, the batch, FSDP2's unsharded parameters, saved activations, pipeline buffers, and the peak over the
+moments of a step (see the package docstring for what each term models)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_mm.planning.mesh import Mesh
+from lightning_mm.planning.shapes import ModelShape, ParamShape
+from lightning_mm.planning.workload import Geometry, StepSchedule
+
+REDUCTION_BYTES = 4  # FSDP2 reduces gradients in fp32 in both precisions
+
+
+def _local_numel(p: ParamShape, mesh: Mesh, fsdp: bool) -> tuple[int, int]:
+    """``(local elements as stored (FSDP padding included), full elements FSDP all-gathers)`` of one parameter on a
+    rank. The full size is that of the FSDP unit's all-gather output (tp-local, padded), 0 when not FSDP-sharded."""
+    shape = list(p.shape)
+    if p.tp_dim is not None and mesh.tp > 1:
+        shape[p.tp_dim] = math.ceil(shape[p.tp_dim] / mesh.tp)
+    shard = mesh.dp_shard
+    if p.expert and mesh.ep > 1:
+        shape[0] = shape[0] // mesh.ep
+        shard = mesh.dp_shard // mesh.ep
+    if not fsdp or not shape or (p.expert and mesh.ep > 1 and shard == 1):
+        return math.prod(shape), 0
+    rows = math.ceil(shape[0] / shard)
+    rest = math.prod(shape[1:])
+    return rows * rest, rows * shard * rest
+
+
+def _pipeline_buffers(
+    model: ModelShape, mesh: Mesh, geo: Geometry, rank_geo: Geometry, m: int, first: bool, last: bool, a: int
+) -> float:
+    """What ``torch.distributed.pipelining`` keeps on a stage between and across steps: receive buffers of every
+    microbatch (activations on later stages, per schedule; gradients on earlier ones), the forward-only statistics
+    pass's cache (its inputs' clone on stage 0 and every microbatch's outputs, kept until the next step) and the last
+    stage's outputs of the training pass (the logits, kept until the schedule's next step)."""
+    if mesh.pp == 1:
+        return 0.0
+    forward, backward = model.boundary_bytes(geo, a)
+    logits = geo.n_tokens * model.vocab_size * a
+    passes = 2 if model.statistics_pass else 1
+    total = 0.0
+    if not first:
+        total += passes * m * forward
+    if not last:
+        total += m * backward
+    if model.statistics_pass:
+        total += model.stage_input_bytes(rank_geo) if first else 0.0
+        total += m * (logits if last else forward)
+    if last:
+        total += m * logits
+    return total
+
+
+@dataclass(frozen=True)
+class StageParameters:
+    """The parameters of one pipeline stage on one rank. ``local``: per parameter name, ``(elements stored, elements
+    FSDP all-gathers)`` (:func:`_local_numel`); ``params``: bytes of the fp32 weights stored (the fp32 gradients are
+    as many); ``optimizer``: bytes of AdamW's two moments and step scalars. Per FSDP unit (a block name, None for the
+    root unit): ``unit_full``, elements its all-gather outputs (0 without FSDP), and ``unit_grads``, bytes of this
+    rank's fp32 gradients; ``unit_groups``: elements all-gathered per ``(unit, group size, all-gathers per
+    micro-step)``."""
+
+    shapes: list[ParamShape]
+    local: dict[str, tuple[int, int]]
+    params: int
+    optimizer: int
+    unit_full: dict[str | None, int]
+    unit_grads: dict[str | None, int]
+    unit_groups: dict[tuple[str | None, int, int], int]
+
+    @property
+    def grads(self) -> int:
+        return self.params
+
+    @property
+    def root_full(self) -> int:
+        """Elements the root unit's all-gather outputs."""
+        return self.unit_full.get(None, 0)
+
+    @property
+    def stage_full(self) -> int:
+        """Elements the all-gathers of every unit of the stage output."""
+        return sum(self.unit_full.values())
+
+
+def stage_parameters(model: ModelShape, mesh: Mesh, units: set[str]) -> StageParameters:
+    """The parameters of the pipeline units ``units`` as ``mesh`` shards them on one rank."""
+    fsdp = mesh.dp > 1
+    mine = [p for p in model.params if p.unit in units]
+    local = {p.name: _local_numel(p, mesh, fsdp) for p in mine}
+    params = 4 * sum(n for n, _ in local.values())
+    optimizer = 8 * sum(n for n, _ in local.values()) + 4 * len(mine)
+    unit_full: dict[str | None, int] = {}  # FSDP all-gather size per unit (0 without FSDP)
+    unit_grads: dict[str | None, int] = {}  # bytes of this rank's gradients per unit
+    unit_groups: dict[tuple[str | None, int, int], int] = {}  # (unit, group size, gathers) -> all-gather size
+    for p in mine:
+        unit_full[p.block] = unit_full.get(p.block, 0) + local[p.name][1]
+        unit_grads[p.block] = unit_grads.get(p.block, 0) + 4 * local[p.name][0]
+        group = mesh.dp_shard // mesh.ep if p.expert else mesh.dp_shard  # experts: over dp_shard_mod_ep
+        key = (p.block, group, model.fsdp_gathers(p, mesh))
+        unit_groups[key] = unit_groups.get(key, 0) + local[p.name][1]
+    return StageParameters(mine, local, params, optimizer, unit_full, unit_grads, unit_groups)
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """What autograd saves for one microbatch on a stage, in bytes: per block of the stage (``blocks``, in forward
+    order) what its forward saves (``block_saved``) and what stays until its backward (``block_kept``: the same, or
+    its inputs under activation checkpointing); ``outside_blocks``: the stage's saved tensors outside the blocks
+    (inputs, embeddings, pooling, loss; under pipeline parallel the stage output)."""
+
+    blocks: list[str]
+    block_saved: list[float]
+    block_kept: list[float]
+    outside_blocks: float
+
+    @property
+    def saved(self) -> float:
+        """Bytes kept from one microbatch's forward to its backward."""
+        return sum(self.block_kept) + self.outside_blocks
+
+
+def stage_activations(
+    model: ModelShape, mesh: Mesh, geo: Geometry, units: set[str], first: bool, last: bool, a: int, checkpointed: bool
+) -> StageActivations:
+    """The saved activations of one microbatch ``geo`` on the stage holding ``units`` (``a``: bytes per activation
+    element; ``checkpointed``: activation checkpointing on)."""
+    blocks = model.blocks_of(units)
+    block_saved = [model.block_activation_bytes(b, geo, mesh.tp, a) for b in blocks]
+    block_kept = [model.block_input_bytes(b, geo, a) for b in blocks] if checkpointed else list(block_saved)
+    extra = model.extra_activation_bytes(units, first, last, geo, mesh.tp, a)
+    if mesh.pp > 1 and not last:
+        extra += model.boundary_bytes(geo, a)[0]  # the stage output kept for its backward
+    return StageActivations(blocks, block_saved, block_kept, extra)
+
+
+def _backward_moments(
+    mesh: Mesh,
+    state: StageParameters,
+    acts: StageActivations,
+    static: float,
+    held: float,
+    logits_bwd: float,
+    in_flight: int,
+    microbatches: int,
+    a: int,
+) -> dict[str, float]:
+    """Bytes alive at each moment of a stage's backward: its start (loss gradients), then every block's backward,
+    last block first; under 1F1B both the first backward (every microbatch in flight) and a later one. ``static``:
+    parameters, optimizer state, batch and pipeline buffers; ``held``: FSDP2's unsharded parameters (or autocast's
+    weight copies) held through the step; ``logits_bwd``: the loss gradients' transient bytes."""
+    fsdp = mesh.dp > 1
+    p_bytes, g_bytes, r_bytes = a, a, REDUCTION_BYTES  # unsharded parameter / gradient dtype, reduction dtype
+    saved, unit_full = acts.saved, state.unit_full
+    if mesh.pp == 1:  # gradients alive when backward starts: the root's (LM head first, under FSDP unsharded)
+        scenarios = [("", 1, state.root_full * g_bytes if fsdp else float(state.unit_grads.get(None, 0)))]
+    else:  # 1F1B: the first backward with every microbatch in flight and no gradient yet; a later one with the
+        # earlier microbatches' gradients of the whole stage (unsharded under FSDP until the last microbatch)
+        later = in_flight if microbatches > in_flight else in_flight - 1
+        scenarios = [
+            (" (first)", in_flight, 0.0),
+            (" (later)", later, state.stage_full * g_bytes if fsdp else state.grads),
+        ]
+    moments: dict[str, float] = {}
+    for suffix, flying, start_grads in scenarios:
+        others = (flying - 1) * saved  # the other microbatches in flight
+        moments["backward" + suffix] = static + held + others + saved + logits_bwd + start_grads  # loss gradients
+        # then every block's backward, last block first: its activations (recomputed under AC) and the kept ones
+        # of the blocks before it; FSDP2 gathers it and prefetches the next (p each), produces its unsharded
+        # gradients (g), reshards it and reduce-scatters (r); the gradients of the blocks already done
+        done_grads = start_grads
+        blocks = acts.blocks
+        for i in reversed(range(len(blocks))):
+            before = sum(acts.block_kept[:i]) + acts.outside_blocks + others
+            full_i = unit_full.get(blocks[i], 0)
+            full_next = unit_full.get(blocks[i - 1], 0) if i else 0
+            if fsdp and mesh.pp == 1:
+                start_fsdp = held + (full_i + full_next) * p_bytes
+                end_fsdp = held + full_next * p_bytes + full_i * max(p_bytes + g_bytes, g_bytes + r_bytes)
+            else:
+                start_fsdp = end_fsdp = held
+            # this block's gradients: produced here (plain), after its reduce-scatter (FSDP: the shard)
+            own_grads = float(state.unit_grads.get(blocks[i], 0)) if not (fsdp and mesh.pp > 1) else 0.0
+            if mesh.pp > 1 and start_grads:
+                own_grads = 0.0  # already there from the earlier microbatches
+            moments[f"backward:{blocks[i]}{suffix}"] = static + max(
+                before + acts.block_saved[i] + start_fsdp + done_grads,
+                before + end_fsdp + done_grads + (own_grads if not fsdp else 0.0),
+            )
+            done_grads += own_grads
+    return moments
+
+
+def stage_memory(
+    model: ModelShape,
+    mesh: Mesh,
+    schedule: StepSchedule,
+    stage: int,
+    stage_units: list[str],
+    last: bool,
+    a: int,
+    activation_checkpointing: bool,
+) -> dict[str, Any]:
+    """Bytes alive on one rank of pipeline stage ``stage`` (holding ``stage_units``; ``last``: the last stage) in an
+    optimizer step, with ``a`` bytes per activation element: the terms (``params``, ``grads``, ``optimizer``,
+    ``batch``, ``pipeline_buffers``, ``unsharded_params``, ``activations`` of every microbatch in flight,
+    ``activations_per_microbatch``, ``recompute``, ``logits_transient``), ``in_flight`` (microbatches), the bytes at
+    each moment of the step (``moments``) and the largest (``peak``, at ``peak_moment``). Keys that start with ``_``
+    are for the traffic and time estimates and are not reported."""
+    p_bytes = a  # unsharded parameter dtype
+    geo, microbatches = schedule.geo, schedule.microbatches
+    units = set(stage_units)
+    first = stage == 0
+    fsdp = mesh.dp > 1
+    batch = model.batch_bytes(schedule.rank_geo)
+    state = stage_parameters(model, mesh, units)
+    params, grads, optimizer = state.params, state.grads, state.optimizer
+    # activations of one microbatch on this stage
+    acts = stage_activations(model, mesh, geo, units, first, last, a, activation_checkpointing)
+    saved = acts.saved
+    in_flight = min(mesh.pp - stage, microbatches) if mesh.pp > 1 else 1
+    activations = in_flight * saved
+    logits_fwd, logits_bwd = model.logits_bytes(geo, mesh.tp, a) if last else (0.0, 0.0)
+    buffers = _pipeline_buffers(model, mesh, geo, schedule.rank_geo, microbatches, first, last, a)
+    if mesh.pp > 1 and last:  # the logits themselves are among the schedule's kept outputs (buffers)
+        logits_fwd -= geo.n_tokens * model.vocab_size * a
+    static = params + optimizer + batch + buffers
+    # FSDP2's unsharded parameters held through forward and backward: the root unit, or under pipeline parallel
+    # the whole stage (reshard_after_forward=False), whose unsharded gradients also last until the last microbatch
+    if not fsdp:
+        # bf16-mixed without FSDP is autocast: a bf16 copy of every matmul weight lives from its forward to its
+        # backward (autocast's weight cache, or saved by the op); embeddings are looked up in fp32
+        held = (
+            0.0
+            if a == 4
+            else sum(a * state.local[p.name][0] for p in state.shapes if len(p.shape) >= 2 and "embed" not in p.name)
+        )
+    elif mesh.pp > 1:
+        held = state.stage_full * p_bytes
+    else:
+        held = state.root_full * p_bytes
+    # Lightning zeroes gradients between forward and backward, so the previous step's are alive at the end of
+    # forward; under pipeline parallel the strategy zeroes them before the schedule runs
+    previous_grads = grads if mesh.pp == 1 else 0.0
+    moments = {
+        "forward_end": static + previous_grads + held + activations + logits_fwd,
+        "optimizer_step": static + grads + params,  # AdamW's foreach temporaries: one parameter-sized list
+    }
+    moments.update(_backward_moments(mesh, state, acts, static, held, logits_bwd, in_flight, microbatches, a))
+    recompute = max(acts.block_saved, default=0.0) if activation_checkpointing else 0.0
+    block_full = max((v for k, v in state.unit_full.items() if k is not None), default=0)
+    moment = max(moments, key=moments.get)
+    return {
+        "stage": stage,
+        "units": len(stage_units),
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "batch": batch,
+        "pipeline_buffers": buffers,
+        "unsharded_params": held + (block_full * p_bytes if fsdp else 0.0),
+        "activations": activations,
+        "activations_per_microbatch": saved,
+        "recompute": recompute,
+        "logits_transient": max(logits_fwd, logits_bwd),
+        "in_flight": in_flight,
+        "peak": moments[moment],
+        "peak_moment": moment,
+        "moments": moments,
+        "_units": units,
+        "_root_full": state.root_full,
+        "_unit_full": state.unit_full,
+        "_unit_groups": state.unit_groups,
+    }
+
+
+def memory_report(busiest: dict[str, Any], stage_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A candidate's memory: the terms of the busiest stage's record (:func:`stage_memory`, bytes as floats), its
+    ``peak_moment`` and every stage's record (``stages``)."""
+    memory: dict[str, Any] = {
+        k: float(v) for k, v in busiest.items() if not k.startswith("_") and k not in ("moments", "peak_moment")
+    }
+    memory["peak_moment"] = busiest["peak_moment"]
+    memory["stages"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in stage_records]
+    return memory
