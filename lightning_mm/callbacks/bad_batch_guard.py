@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_mm.callbacks._common import _all_gather_objects, _local, _world
+from lightning_mm.validation import require_int
 
 __all__ = ["BadBatchError", "BadBatchGuard"]
 
@@ -107,8 +108,7 @@ class BadBatchGuard(L.Callback):
             ("min_history", min_history),
             ("max_consecutive_skips", max_consecutive_skips),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            require_int(name, value)
         if min_history > spike_window:
             raise ValueError(f"min_history ({min_history}) must be <= spike_window ({spike_window})")
         self.check_loss = check_loss

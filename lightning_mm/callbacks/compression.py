@@ -26,6 +26,7 @@ from lightning_mm.parallel.compression import (
     register_fsdp_compression,
 )
 from lightning_mm.parallel.experts import ActivationCodec, expert_modules
+from lightning_mm.validation import require_int
 
 __all__ = ["CompressedAllToAll"]
 
@@ -145,8 +146,7 @@ class CompressedAllToAll(pl.Callback):
         if not targets or any(t not in _TARGETS for t in targets):
             raise ValueError(f"targets must be a non-empty subset of {_TARGETS}, got {targets!r}")
         for name, value in (("warmup_steps", warmup_steps), ("sparsity_warmup_steps", sparsity_warmup_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+            require_int(name, value, minimum=0)
         # CodecConfig validates the codec arguments with errors that use these same names.
         self.config = CodecConfig(
             bits=bits,

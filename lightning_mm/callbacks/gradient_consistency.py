@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_mm.callbacks._common import _all_gather_objects, _local, _log_rows, _rank, _world
+from lightning_mm.validation import require_int
 
 __all__ = [
     "GradientConsistencyCheck",
@@ -266,8 +267,7 @@ class GradientConsistencyCheck(L.Callback):
     def __init__(
         self, every_n_steps: int = 100, rtol: float = 1e-6, on_mismatch: Literal["warn", "error"] = "warn"
     ) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}")
+        require_int("every_n_steps", every_n_steps)
         if not rtol >= 0:
             raise ValueError(f"rtol must be >= 0, got {rtol!r}")
         if on_mismatch not in ("warn", "error"):

@@ -7,6 +7,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from lightning_mm.validation import require_int
+
 __all__ = ["PipelineTimeline"]
 
 
@@ -23,8 +25,7 @@ class PipelineTimeline(L.Callback):
     """
 
     def __init__(self, step: int = 2, path: str | Path | None = None) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        require_int("step", step, minimum=0)
         self.step = step
         self.path = Path(path) if path is not None else None
         self.timeline: dict | None = None

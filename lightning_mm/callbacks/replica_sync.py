@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mm.callbacks._common import _local, _rank, _world
 from lightning_mm.parallel.compression import CodecConfig
 from lightning_mm.parallel.replica_sync import ReplicaSyncState
+from lightning_mm.validation import require_int
 
 __all__ = ["ReplicaSync"]
 
@@ -78,8 +79,7 @@ class ReplicaSync(pl.Callback):
         rotation: bool = False,
         min_numel: int = 0,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an int >= 1 (optimizer steps between syncs), got {every!r}")
+        require_int("every", every, hint="optimizer steps between syncs")
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
         if not 0 <= outer_momentum < 1:

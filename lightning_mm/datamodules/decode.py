@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from lightning_mm.validation import require_int
+
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
     "ERROR_KINDS",
@@ -112,11 +114,7 @@ guard above (``MAX_IMAGE_PIXELS``) is a process-wide backstop; this one is per D
 
 def check_image_pixels(max_image_pixels: int | None) -> int | None:
     """Validate the ``max_image_pixels`` argument (``None``: no limit beyond PIL's)."""
-    if max_image_pixels is not None and (
-        isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int) or max_image_pixels < 1
-    ):
-        raise ValueError(f"max_image_pixels must be an integer >= 1 or None, got {max_image_pixels!r}")
-    return max_image_pixels
+    return require_int("max_image_pixels", max_image_pixels, also=(None,))
 
 
 def _too_large(width: int, height: int, max_image_pixels: int | None) -> str | None:
@@ -187,8 +185,7 @@ class ErrorLog:
         """
         if kind not in ERROR_KINDS:
             raise ValueError(f"kind must be one of ERROR_KINDS {list(ERROR_KINDS)}, got {kind!r}")
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise ValueError(f"samples must be an int >= 1, got {samples!r}")
+        require_int("samples", samples)
         self.counts[kind] += samples
         shard = self.by_shard.setdefault(url, {})
         shard[kind] = shard.get(kind, 0) + samples
@@ -227,8 +224,9 @@ class ErrorLog:
         for url, kinds in by_shard.items():
             mine = self.by_shard.setdefault(url, {})
             for kind, count in kinds.items():
-                if kind not in ERROR_KINDS or isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                    raise ValueError(f"by_shard[{url!r}]: bad count {kind!r}: {count!r}")
+                if kind not in ERROR_KINDS:
+                    raise ValueError(f"by_shard[{url!r}]: unknown kind {kind!r}")
+                require_int(f"by_shard[{url!r}][{kind!r}]", count, minimum=0)
                 mine[kind] = mine.get(kind, 0) + count
 
     def shard_snapshot(self) -> dict[str, dict[str, int]]:

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from lightning_mm.datamodules.decode import SampleRecord, read_sample_files
+from lightning_mm.validation import require_int
 
 __all__ = ["FILTER_KINDS", "QualityFilters", "describe_counts"]
 
@@ -67,8 +68,7 @@ class QualityFilters:
     def _check(self) -> None:
         for name in ("min_image_side", "max_image_side", "min_caption_tokens", "max_caption_tokens"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"filters.{name} must be an integer >= 0 or None, got {value!r}")
+            require_int(f"filters.{name}", value, minimum=0, also=(None,))
         for low, high in (("min_image_side", "max_image_side"), ("min_caption_tokens", "max_caption_tokens")):
             if (
                 getattr(self, low) is not None

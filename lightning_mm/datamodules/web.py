@@ -101,6 +101,7 @@ from lightning_mm.datamodules.stages import (
     patchify,
 )
 from lightning_mm.parallel.collectives import all_reduce_sum
+from lightning_mm.validation import require_int
 
 __all__ = ["ImageTextWebDataModule", "EpochPlan", "deal_batches"]
 
@@ -828,13 +829,13 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 "epochs, whose first steps a resumed run does not know; use one of the two"
             )
         for start, cap in (curriculum or {}).items():
-            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise ValueError(f"curriculum: keys are start {curriculum_unit}s (integers >= 0), got {start!r}")
-            if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= max_patches_per_image:
-                raise ValueError(
-                    f"curriculum[{start}] = {cap!r}: a patch cap per image must be an integer in "
-                    f"[1, max_patches_per_image={max_patches_per_image}]"
-                )
+            require_int("curriculum key", start, minimum=0, hint=f"the {curriculum_unit} a patch cap starts at")
+            require_int(
+                f"curriculum[{start}]",
+                cap,
+                maximum=max_patches_per_image,
+                hint=f"a patch cap per image; max_patches_per_image={max_patches_per_image}",
+            )
         if not isinstance(carry_remainder, bool):
             raise ValueError(f"carry_remainder must be True or False, got {carry_remainder!r}")
         if isinstance(max_skipped_fraction, bool) or not 0 <= max_skipped_fraction <= 1:

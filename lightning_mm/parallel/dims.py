@@ -23,12 +23,12 @@ degrees that passes validation can therefore be built; nothing raises ``NotImple
 from __future__ import annotations
 
 import enum
-import numbers
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_mm.validation import is_integer, require_int
 
 __all__ = ["MeshAxis", "ParallelDims", "check_divisible"]
 
@@ -67,19 +67,14 @@ _ARG_NAMES = {
 }
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def check_divisible(name: str, value: int, divisor_name: str, divisor: int) -> None:
     """Raise ``ValueError`` unless ``divisor`` divides ``value``.
 
     ``check_divisible("num_attention_heads", 12, "tensor_parallel", 5)`` raises
     ``tensor_parallel=5 must divide num_attention_heads=12 (12 % 5 = 2)``.
     """
-    if not _is_int(divisor) or divisor < 1:
-        raise ValueError(f"{divisor_name} must be an integer >= 1, got {divisor!r}")
-    if not _is_int(value):
+    require_int(divisor_name, divisor)
+    if not is_integer(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value % divisor:
         raise ValueError(
@@ -111,16 +106,11 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         for attr in ("world_size", "dp_replicate", "tp", "pp", "ep"):
-            value = getattr(self, attr)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{_ARG_NAMES[attr]} must be an integer >= 1, got {value!r}")
-            object.__setattr__(self, attr, int(value))
+            object.__setattr__(self, attr, require_int(_ARG_NAMES[attr], getattr(self, attr)))
         dp_shard = self.dp_shard
         if isinstance(dp_shard, str) and dp_shard.strip().lower() == "auto":
             dp_shard = -1
-        if not _is_int(dp_shard) or (dp_shard < 1 and dp_shard != -1):
-            raise ValueError(f"data_parallel_shard must be an integer >= 1 or 'auto' (-1), got {self.dp_shard!r}")
-        dp_shard = int(dp_shard)
+        dp_shard = require_int("data_parallel_shard", dp_shard, also=("auto", -1))
 
         others = self.dp_replicate * self.tp * self.pp
         if dp_shard == -1:
@@ -216,7 +206,7 @@ class ParallelDims:
     # ------------------------------------------------------------------ coordinates (no process group needed)
     def coordinates(self, rank: int) -> dict[str, int]:
         """Index of global ``rank`` on every axis (the layout :meth:`build_mesh` creates)."""
-        if not _is_int(rank) or not 0 <= rank < self.world_size:
+        if not is_integer(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
         coords: dict[str, int] = {}
         rest = int(rank)
@@ -264,8 +254,7 @@ class ParallelDims:
         layer (TP's all-reduces, EP's all-to-alls) and would cross the slow inter-node link. Raises ``ValueError``
         naming the degrees and the node size; with ``allow_cross_node`` returns the same findings as warnings.
         Data-parallel and pipeline axes may span nodes (HSDP's replicate axis is meant to)."""
-        if not _is_int(ranks_per_node) or ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
+        require_int("ranks_per_node", ranks_per_node)
         if self.world_size % ranks_per_node:
             raise ValueError(f"world size {self.world_size} is not a multiple of {ranks_per_node} ranks per node")
         findings = []

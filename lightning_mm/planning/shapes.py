@@ -124,7 +124,11 @@ class ModelShape:
                 reasons.append(f"expert_parallel={mesh.ep} does not divide the {self.num_experts} experts")
             if mesh.dp_shard % mesh.ep:
                 reasons.append(f"expert_parallel={mesh.ep} does not divide data_parallel_shard={mesh.dp_shard}")
-            unsupported = [f"{n}={getattr(mesh, n)}" for n in ("pp", "tp", "dp_replicate") if getattr(mesh, n) > 1]
+            from lightning_mm.parallel.options import expert_parallel_conflicts  # (the strategy's own rule)
+
+            unsupported = expert_parallel_conflicts(
+                mesh.ep, pipeline_parallel=mesh.pp, tensor_parallel=mesh.tp, data_parallel_replicate=mesh.dp_replicate
+            )
             if unsupported:
                 reasons.append(f"expert_parallel with {', '.join(unsupported)} is not supported by the strategy yet")
         if self.tied_embeddings and (mesh.tp > 1 or mesh.pp > 1):

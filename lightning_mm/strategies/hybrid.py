@@ -47,17 +47,17 @@ from typing_extensions import override
 import lightning_mm
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.parallel.dims import DP_SHARD_MOD_EP, MeshAxis, ParallelDims
-from lightning_mm.parallel.experts import PLACEMENTS, expert_parameters
+from lightning_mm.parallel.experts import expert_parameters
 from lightning_mm.parallel.fsdp import (
     apply_activation_checkpointing,
     apply_fsdp,
     mixed_precision_policy,
     transformer_blocks,
 )
+from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions
 from lightning_mm.parallel.pipeline import (
     PipelineSplit,
     auto_split,
-    check_schedule,
     explicit_split,
     sequential_pipeline_spec,
     stage_ids_for_rank,
@@ -209,78 +209,31 @@ class HybridParallelStrategy(ModelParallelStrategy):
         )
         # One-file checkpoints written atomically (a checkpoint_io plugin given to the Trainer still wins).
         self._checkpoint_io = AtomicCheckpointIO()
-        # Validate what can be validated without the world size (the degrees' types and ranges), so a typo in a
+        # Everything that can be checked without the world size is checked here (MeshOptions), so a typo in a
         # config fails at construction rather than after processes have started.
-        shard_for_check = 1 if data_parallel_shard in ("auto", -1) else data_parallel_shard
-        for name, value in (
-            ("data_parallel_replicate", data_parallel_replicate),
-            ("data_parallel_shard", shard_for_check),
-            ("tensor_parallel", tensor_parallel),
-            ("pipeline_parallel", pipeline_parallel),
-            ("virtual_stages", virtual_stages),
-            ("expert_parallel", expert_parallel),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{name} must be an integer >= 1"
-                    + (" or 'auto'" if name == "data_parallel_shard" else "")
-                    + f", got {value!r}"
-                )
-        if sequence_parallel and tensor_parallel == 1:
-            raise ValueError(
-                "sequence_parallel=True needs tensor_parallel > 1 (it shards activations over the tp ranks)"
-            )
-        if tp_plan is not None and not isinstance(tp_plan, dict):
-            raise ValueError(f"tp_plan must be a dict {{fqn_pattern: style}}, got {type(tp_plan).__name__}")
-        check_schedule(pipeline_schedule)
-        if microbatches is not None and (
-            isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1
-        ):
-            raise ValueError(f"microbatches must be an integer >= 1 or None, got {microbatches!r}")
-        if pipeline_split != "auto" and not (
-            isinstance(pipeline_split, (list, tuple)) and all(isinstance(f, str) for f in pipeline_split)
-        ):
-            raise ValueError(
-                f"pipeline_split must be 'auto' or a list of layer FQNs that begin stages 1.., got {pipeline_split!r}"
-            )
-        if pipeline_shape is not None and (len(pipeline_shape) != 4 or any(int(v) < 1 for v in pipeline_shape)):
-            raise ValueError(
-                f"pipeline_shape must be (rows, patches_per_row, tokens_per_row, segments_per_row), "
-                f"got {pipeline_shape!r}"
-            )
-        if expert_placement not in PLACEMENTS:
-            raise ValueError(f"expert_placement must be one of {PLACEMENTS}, got {expert_placement!r}")
-        if expert_parallel > 1:
-            unsupported = [
-                f"{name}={value}"
-                for name, value in (
-                    ("pipeline_parallel", pipeline_parallel),
-                    ("tensor_parallel", tensor_parallel),
-                    ("data_parallel_replicate", data_parallel_replicate),
-                )
-                if value != 1
-            ]
-            if unsupported:
-                raise ValueError(
-                    f"expert_parallel={expert_parallel} with {', '.join(unsupported)} is not supported "
-                    "yet; use expert_parallel=1 or set those degrees to 1"
-                )
-        self._degrees = {
-            "data_parallel_replicate": data_parallel_replicate,
-            "data_parallel_shard": data_parallel_shard,
-            "tensor_parallel": tensor_parallel,
-            "pipeline_parallel": pipeline_parallel,
-            "expert_parallel": expert_parallel,
-        }
+        self.options = MeshOptions(
+            data_parallel_replicate=data_parallel_replicate,
+            data_parallel_shard=data_parallel_shard,
+            tensor_parallel=tensor_parallel,
+            sequence_parallel=sequence_parallel,
+            tp_plan=tp_plan,
+            pipeline=PipelineOptions(
+                stages=pipeline_parallel,
+                schedule=pipeline_schedule,
+                microbatches=microbatches,
+                split=pipeline_split,
+                virtual_stages=virtual_stages,
+                shape=pipeline_shape,
+            ),
+            experts=ExpertOptions(degree=expert_parallel, placement=expert_placement),
+        )
+        # The validated values, under the names the rest of the package reads.
         self.expert_placement = expert_placement
         self.pipeline_schedule = pipeline_schedule
         self.microbatches = microbatches
         self.pipeline_split = pipeline_split
         self.virtual_stages = virtual_stages
-        self.pipeline_shape = tuple(pipeline_shape) if pipeline_shape is not None else None
-        self._pipeline: PipelineRunner | None = None
-        self._train_loader_predates_restore = False
-        self._timeline_request: tuple[int | None, str | Path | None] = (None, None)
+        self.pipeline_shape = self.options.pipeline.shape
         self.sequence_parallel = sequence_parallel
         self.tp_plan = tp_plan
         self.activation_checkpointing = activation_checkpointing
@@ -288,6 +241,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.allow_cross_node_groups = allow_cross_node_groups
         self.sync_replicas_every_step = sync_replicas_every_step
+        self._pipeline: PipelineRunner | None = None
+        self._train_loader_predates_restore = False
+        self._timeline_request: tuple[int | None, str | Path | None] = (None, None)
         self._dims: ParallelDims | None = None
 
     # ---------------------------------------------------------------------------------------------- mesh
@@ -375,7 +331,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Degrees are checked against the world size before any process group exists, so a wrong config fails
         # identically on every rank without a hang.
-        self._dims = ParallelDims.from_args(self.num_nodes * self.num_processes, **self._degrees)
+        self._dims = ParallelDims.from_args(self.num_nodes * self.num_processes, **self.options.degrees)
         # num_processes: devices per node. Refused before any process group exists, identically on every rank.
         for finding in self._dims.check_nodes(self.num_processes, self.allow_cross_node_groups):
             rank_zero_warn(f"allow_cross_node_groups=True: {finding}")
@@ -559,7 +515,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     # ---------------------------------------------------------------------------------------------- pipeline
 
     def _microbatches(self) -> int:
-        return self.microbatches or self._degrees["pipeline_parallel"] * self.virtual_stages
+        return self.microbatches or self.options.pipeline.stages * self.virtual_stages
 
     def _pipeline_spec(self, module: nn.Module, plan: ParallelPlan) -> PipelineSpec:
         """The module's own pipeline, or the generic chain cut by ``pipeline_split`` with its ``pipeline_*`` hooks."""
@@ -791,7 +747,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def record_timeline(self, step: int, path: str | Path | None = None) -> None:
         """Record the start / end of every forward and backward chunk on every rank at optimizer step ``step``; rank
         0 of the first pipeline draws them to ``path`` (PNG). The result lands in ``pipeline.timeline``."""
-        if self._degrees["pipeline_parallel"] == 1:
+        if self.options.pipeline.stages == 1:
             raise ValueError("record_timeline needs pipeline_parallel > 1")
         self._timeline_request = (step, path)
 

@@ -43,7 +43,7 @@ def test_constructor_defaults_and_auto():
         (dict(world_size=4, tensor_parallel=True), ["tensor_parallel", ">= 1", "True"]),
         (dict(world_size=4, pipeline_parallel=0), ["pipeline_parallel", ">= 1"]),
         (dict(world_size=4, expert_parallel=0), ["expert_parallel", ">= 1"]),
-        (dict(world_size=4, data_parallel_shard=0), ["data_parallel_shard", ">= 1 or 'auto' (-1)", "got 0"]),
+        (dict(world_size=4, data_parallel_shard=0), ["data_parallel_shard", ">= 1 or 'auto' or -1", "got 0"]),
         (dict(world_size=4, data_parallel_shard=-2), ["data_parallel_shard", "'auto'", "got -2"]),
         (dict(world_size=4, data_parallel_shard="half"), ["data_parallel_shard", "'auto'", "'half'"]),
         (

@@ -492,7 +492,9 @@ def test_curriculum_raises_the_patch_cap_by_epoch(shards, capsys):
     _batches(without, 0, 1, epoch=0)
     assert patches_per_image(list(dm.val_dataloader())) == patches_per_image(list(without.val_dataloader())) > 4
     assert dm.regroup_config()["curriculum"] == curriculum  # in the plan fingerprint: a resume checks it
-    with pytest.raises(ValueError, match=r"curriculum\[1\] = 32.*max_patches_per_image=16"):
+    with pytest.raises(
+        ValueError, match=r"curriculum\[1\] must be an integer >= 1 and <= 16 .*max_patches_per_image=16.*got 32"
+    ):
         _dm(shards, curriculum={0: 4, 1: 32})
 
 

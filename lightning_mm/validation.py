@@ -1,0 +1,38 @@
+"""Argument checks shared by every layer (plain Python: ``parallel/`` uses them too).
+
+One way to say "an integer in a range", with one error wording that names the argument, instead of the hand-written
+``isinstance(value, bool) or not isinstance(value, int) or value < 1`` each constructor used to repeat.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+__all__ = ["is_integer", "require_int"]
+
+
+def is_integer(value: Any) -> bool:
+    """An integral number that is not a ``bool`` (``True`` is an ``int`` in Python, never a degree or a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def require_int(
+    name: str, value: Any, minimum: int = 1, maximum: int | None = None, *, also: tuple = (), hint: str = ""
+) -> Any:
+    """``int(value)`` if ``value`` is an integer in ``[minimum, maximum]``, ``value`` itself if it is one of the
+    ``also`` values (``None``, ``"auto"``, ...), else ``ValueError("<name> must be an integer >= <minimum>[ and <=
+    <maximum>][ or <also>...][ (<hint>)], got <value>")``.
+
+    ``require_int("every", 0, hint="optimizer steps between syncs")`` raises ``every must be an integer >= 1
+    (optimizer steps between syncs), got 0``.
+    """
+    if any(value is other or (type(value) is type(other) and value == other) for other in also):
+        return value
+    if is_integer(value) and value >= minimum and (maximum is None or value <= maximum):
+        return int(value)
+    bound = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+    alternatives = "".join(f" or {other!r}" for other in also)
+    raise ValueError(
+        f"{name} must be an integer {bound}{alternatives}" + (f" ({hint})" if hint else "") + f", got {value!r}"
+    )
