@@ -42,7 +42,16 @@ class _RegisterAfterLightning(importlib.abc.MetaPathFinder, importlib.abc.Loader
         if self in sys.meta_path:
             sys.meta_path.remove(self)
         self._loader.exec_module(module)
-        import lightning_mm.strategies  # noqa: F401  (registers "hybrid")
+        try:
+            import lightning_mm.strategies  # noqa: F401  (registers "hybrid")
+        except Exception as error:  # never let lightning_mm break the user's `import lightning`
+            import warnings
+
+            warnings.warn(
+                f"lightning_mm could not register the 'hybrid' strategy ({type(error).__name__}: {error}); "
+                "`import lightning_mm.strategies` shows the full error",
+                stacklevel=2,
+            )
 
 
 if _LIGHTNING in sys.modules:

@@ -27,8 +27,11 @@ def require_int(
     ``require_int("every", 0, hint="optimizer steps between syncs")`` raises ``every must be an integer >= 1
     (optimizer steps between syncs), got 0``.
     """
-    if any(value is other or (type(value) is type(other) and value == other) for other in also):
-        return value
+    for other in also:  # None, a word such as "auto", or an integer alias such as -1 (numpy integers too)
+        if value is other or (isinstance(other, str) and isinstance(value, str) and value == other):
+            return value
+        if is_integer(other) and is_integer(value) and value == other:
+            return int(value)
     if is_integer(value) and value >= minimum and (maximum is None or value <= maximum):
         return int(value)
     bound = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")

@@ -45,9 +45,9 @@ class PipelineOptions:
     shape: tuple[int, int, int, int] | None = None
 
     def __post_init__(self) -> None:
-        require_int("pipeline_parallel", self.stages)
-        require_int("virtual_stages", self.virtual_stages)
-        require_int("microbatches", self.microbatches, also=(None,))
+        object.__setattr__(self, "stages", require_int("pipeline_parallel", self.stages))
+        object.__setattr__(self, "virtual_stages", require_int("virtual_stages", self.virtual_stages))
+        object.__setattr__(self, "microbatches", require_int("microbatches", self.microbatches, also=(None,)))
         check_schedule(self.schedule)
         split = self.split
         if split != "auto":
@@ -76,7 +76,7 @@ class ExpertOptions:
     placement: str = "modality"
 
     def __post_init__(self) -> None:
-        require_int("expert_parallel", self.degree)
+        object.__setattr__(self, "degree", require_int("expert_parallel", self.degree))
         if self.placement not in PLACEMENTS:
             raise ValueError(f"expert_placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
@@ -90,14 +90,15 @@ class MeshOptions:
     data_parallel_shard: int | Literal["auto"] = "auto"
     tensor_parallel: int = 1
     sequence_parallel: bool = False
-    tp_plan: Mapping[str, str] | None = None
+    tp_plan: Mapping[str, str] | None = field(default=None, hash=False)  # (a dict: not hashable)
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     experts: ExpertOptions = field(default_factory=ExpertOptions)
 
     def __post_init__(self) -> None:
-        require_int("data_parallel_replicate", self.data_parallel_replicate)
-        require_int("data_parallel_shard", self.data_parallel_shard, also=("auto", -1))
-        require_int("tensor_parallel", self.tensor_parallel)
+        for name in ("data_parallel_replicate", "tensor_parallel"):
+            object.__setattr__(self, name, require_int(name, getattr(self, name)))
+        shard = require_int("data_parallel_shard", self.data_parallel_shard, also=("auto", -1))
+        object.__setattr__(self, "data_parallel_shard", shard)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError(
                 "sequence_parallel=True needs tensor_parallel > 1 (it shards activations over the tp ranks)"

@@ -228,12 +228,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
             experts=ExpertOptions(degree=expert_parallel, placement=expert_placement),
         )
         # The validated values, under the names the rest of the package reads.
-        self.expert_placement = expert_placement
-        self.pipeline_schedule = pipeline_schedule
-        self.microbatches = microbatches
-        self.pipeline_split = pipeline_split
-        self.virtual_stages = virtual_stages
-        self.pipeline_shape = self.options.pipeline.shape
+        pipeline = self.options.pipeline
+        self.expert_placement = self.options.experts.placement
+        self.pipeline_schedule, self.microbatches = pipeline.schedule, pipeline.microbatches
+        self.pipeline_split = pipeline.split if pipeline.split == "auto" else list(pipeline.split)
+        self.virtual_stages, self.pipeline_shape = pipeline.virtual_stages, pipeline.shape
         self.sequence_parallel = sequence_parallel
         self.tp_plan = tp_plan
         self.activation_checkpointing = activation_checkpointing

@@ -10,9 +10,19 @@ the reduction order a thread count implies.
 
 Ranks are forked from a ``forkserver`` that has already imported the heavy modules the caller has imported (torch,
 Lightning, transformers, this package): a spawned rank spends ~5 s importing them again, which on a 2-core machine
-made process start-up the largest part of the test suite. The server forks from a single-threaded state (it only
-imports), so the children are as clean as spawned ones; the caller's environment and working directory at launch
-time are passed to every rank (a forkserver child would otherwise see the server's, frozen at its start).
+made process start-up the largest part of the test suite. What a forked rank shares with the server, and how each
+is handled:
+
+* the environment: the caller's, at launch time, replaces the server's in every rank (multiprocessing restores only
+  the working directory, ``sys.path`` and ``__main__``). Libraries that read a variable *at import* (``HF_*``,
+  ``TORCH_*``, ``OMP_*``, ...) saw the server's; a launch whose such variables differ from the server's is spawned
+  instead (:data:`_IMPORT_TIME_ENV`);
+* numpy's global random state (Python's ``random`` is reseeded after a fork by Python itself): reseeded per rank;
+* the server's standard output: ranks write where the server's stdout / stderr pointed when it started (pytest's
+  ``capfd`` does not see rank output; no test relies on it).
+
+The server only imports (torch's import starts one native thread there, as in any process that forks DataLoader
+workers after ``import torch``); it initialises no device.
 """
 
 from __future__ import annotations
@@ -60,12 +70,33 @@ _PRELOAD = ("torch", "torch.distributed", "lightning", "transformers", "peft", "
 """Imported once by the forkserver (those of them the caller has already imported, and every ``lightning_mm``
 module it has), not by every rank."""
 
+_IMPORT_TIME_ENV = ("HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_", "PYTHON")
+"""Prefixes of environment variables that libraries read when they are imported: a launch whose values differ from
+those the forkserver started with cannot reuse its imports."""
+
+_server_environment: dict[str, str] | None = None
+
+
+def _import_time_environment(environ: dict[str, str]) -> dict[str, str]:
+    return {key: value for key, value in environ.items() if key.startswith(_IMPORT_TIME_ENV)}
+
 
 def _context():
+    """The forkserver context (started, with its preloads, at the first launch), or ``spawn`` for a launch whose
+    import-time environment differs from the server's."""
+    global _server_environment
+    current = _import_time_environment(dict(os.environ))
+    if _server_environment is None:
+        _server_environment = current
+    elif current != _server_environment:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # Only takes effect before the server starts (the first launch); later calls change nothing.
+    # Only takes effect before the server starts (the first launch); later calls change nothing. A module's
+    # ``__main__`` (e.g. ``lightning_mm.planning.__main__``) would run its command in the server: never preloaded.
     preload = [name for name in _PRELOAD if name in sys.modules]
-    preload += sorted(name for name in sys.modules if name.startswith("lightning_mm."))
+    preload += sorted(
+        name for name in sys.modules if name.startswith("lightning_mm.") and not name.endswith(".__main__")
+    )
     ctx.set_forkserver_preload(preload)
     return ctx
 
@@ -74,6 +105,8 @@ def _enter(environ: dict, cwd: str) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    if "numpy" in sys.modules:  # forked: every rank would otherwise draw numpy's global numbers of the server
+        sys.modules["numpy"].random.seed()
 
 
 def _process_entry(fn, args: tuple, environ: dict, cwd: str) -> None:
@@ -98,20 +131,20 @@ def run_in_process(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -
 def _rank_entry(
     fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout: float, results, environ: dict, cwd: str
 ) -> None:
-    _enter(environ, cwd)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-        GROUP_RANK="0",
-    )
-    # Ranks share the machine's cores: one thread each by default (oversubscription makes runs slow, not wrong).
-    torch.set_num_threads(test_threads(1))
     try:
+        _enter(environ, cwd)
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            NODE_RANK="0",
+            GROUP_RANK="0",
+        )
+        # Ranks share the machine's cores: one thread each by default (oversubscription makes runs slow, not wrong).
+        torch.set_num_threads(test_threads(1))
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         # Serialized to bytes: a tensor put on the queue directly travels as a shared-memory handle,
         # which is gone once this process exits before the parent reads it.
@@ -125,15 +158,38 @@ def _rank_entry(
             dist.destroy_process_group()
 
 
+def _failure_report(errors: dict[int, str], procs: list, results, finished: set[int], grace: float = 5.0) -> str:
+    """The failure of ``errors`` plus what every other rank did within ``grace`` seconds: the cause is often on
+    another rank (a peer's "Connection reset by peer" is the echo of a crash elsewhere)."""
+    pending = set(range(len(procs))) - set(errors) - finished
+    deadline = time.monotonic() + grace
+    while pending and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=0.2)
+        except queue.Empty:
+            pending = {r for r in pending if procs[r].exitcode is None}
+            continue
+        pending.discard(rank)
+        if status == "error":
+            errors[rank] = value
+    report = [f"rank {rank} failed:\n{text}" for rank, text in sorted(errors.items())]
+    report += [
+        f"rank {rank} exited with code {proc.exitcode} without a result"
+        for rank, proc in enumerate(procs)
+        if rank not in errors and rank not in finished and proc.exitcode not in (None, 0)
+    ]
+    return "\n".join(report)
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0, pg_timeout: float = 90.0
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new gloo ranks; return results by rank.
 
     ``fn`` must be importable (module level). The process group (collective timeout ``pg_timeout`` seconds) is
     initialised before ``fn`` and destroyed after. An exception on any rank, a rank that dies, or ``timeout``
-    seconds without all results raises in the caller with the rank's traceback; every process is torn down in all
-    cases.
+    seconds without all results raises in the caller with the tracebacks of every rank that failed; every process is
+    torn down in all cases.
     """
     ctx = _context()
     results = ctx.Queue()
@@ -161,7 +217,7 @@ def run_distributed(
                     ) from None
                 continue
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(_failure_report({rank: value}, procs, results, set(collected)))
             # Results of the ranks this function spawned itself (test / benchmark code), never a user's file.
             collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:

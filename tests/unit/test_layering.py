@@ -50,16 +50,20 @@ def _package_imports() -> dict[str, set[str]]:
                     base = ".".join(parts + ([node.module] if node.module else []))
                 imported.add(base)
                 imported |= {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in files}
+        # Importing a.b.c runs a/__init__ and a/b/__init__ first: those are arrows too.
+        imported |= {".".join(m.split(".")[:i]) for m in imported for i in range(1, m.count(".") + 1)}
         graph[name] = {m for m in imported if m in files and m != name}
+    # The root registers the strategy once Lightning is loaded (an import hook, lightning_mm/__init__.py): that
+    # import is not a dependency of whoever imports the package; its other imports are.
+    graph["lightning_mm"] -= {"lightning_mm.strategies"}
     return graph
 
 
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
-    """Modules ``start`` reaches through the package's own imports. The package root is not followed: it only
-    registers the strategy once Lightning is loaded (``lightning_mm/__init__.py``), it is not a dependency."""
+    """Modules ``start`` reaches through the package's own imports."""
     seen, todo = set(), [start]
     while todo:
-        for module in graph[todo.pop()] - seen - {"lightning_mm"}:
+        for module in graph[todo.pop()] - seen:
             seen.add(module)
             todo.append(module)
     return seen
@@ -94,12 +98,14 @@ def test_a_chain_into_the_glue_is_found():
         "lightning_mm.models.a": {"lightning_mm.datamodules.b"},
         "lightning_mm.datamodules.b": {"lightning_mm.callbacks.c"},
         "lightning_mm.callbacks.c": set(),
-        "lightning_mm.parallel.d": {"lightning_mm"},  # the root registers the strategy; not a dependency
-        "lightning_mm": {"lightning_mm.strategies"},
-        "lightning_mm.strategies": set(),
+        "lightning_mm.parallel.d": {"lightning_mm.parallel"},
+        "lightning_mm.parallel": {"lightning_mm.parallel.e"},
+        "lightning_mm.parallel.e": {"lightning_mm.strategies.f"},  # through a package __init__
+        "lightning_mm.strategies.f": set(),
     }
     assert _glue_reached(graph, "lightning_mm.models") == {"lightning_mm.models.a": ["lightning_mm.callbacks.c"]}
-    assert _glue_reached(graph, "lightning_mm.parallel") == {}
+    assert _glue_reached(graph, "lightning_mm.parallel")["lightning_mm.parallel.d"] == ["lightning_mm.strategies.f"]
+    assert "lightning_mm.strategies" not in _package_imports()["lightning_mm"]  # (the hook's import only)
     assert "lightning_mm.parallel.dims" in _reachable(_package_imports(), "lightning_mm.strategies.hybrid")
 
 

@@ -45,6 +45,15 @@ def test_expert_parallel_rule_is_the_same_in_the_strategy_and_the_planner(other)
     assert any(f"expert_parallel with {other}=2" in reason for reason in reasons), reasons
 
 
+def test_numpy_integers_and_the_auto_alias_are_accepted_and_stored_as_int():
+    import numpy as np
+
+    strategy = HybridParallelStrategy(data_parallel_shard=np.int64(-1), pipeline_parallel=np.int64(2), microbatches=4)
+    assert strategy.options.data_parallel_shard == -1 and type(strategy.options.data_parallel_shard) is int
+    assert type(strategy.options.pipeline.stages) is int and strategy.microbatches == 4
+    assert hash(HybridParallelStrategy(tensor_parallel=2, tp_plan={"a": "colwise"}).options)  # a dict plan: hashable
+
+
 def test_options_are_frozen_and_normalised():
     options = HybridParallelStrategy(pipeline_parallel=2, pipeline_split=["a.b"], pipeline_shape=[2, 3, 4, 1]).options
     assert options.pipeline == PipelineOptions(stages=2, split=("a.b",), shape=(2, 3, 4, 1))
