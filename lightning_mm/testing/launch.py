@@ -21,8 +21,8 @@ is handled:
 * the server's standard output: ranks write where the server's stdout / stderr pointed when it started (pytest's
   ``capfd`` does not see rank output; no test relies on it).
 
-The server only imports (torch's import starts one native thread there, as in any process that forks DataLoader
-workers after ``import torch``); it initialises no device.
+The server only imports, with one OpenBLAS thread, so it has no thread but its own when it forks
+(:func:`forkserver_threads`); it initialises no device.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver
 from typing import Any
 
 import torch
@@ -91,14 +92,32 @@ def _context():
     elif current != _server_environment:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # Only takes effect before the server starts (the first launch); later calls change nothing. A module's
-    # ``__main__`` (e.g. ``lightning_mm.planning.__main__``) would run its command in the server: never preloaded.
-    preload = [name for name in _PRELOAD if name in sys.modules]
-    preload += sorted(
-        name for name in sys.modules if name.startswith("lightning_mm.") and not name.endswith(".__main__")
-    )
-    ctx.set_forkserver_preload(preload)
+    if forkserver._forkserver._forkserver_pid is None:  # start it now, with its preloads, single-threaded
+        # A module's ``__main__`` (e.g. ``lightning_mm.planning.__main__``) would run its command in the server.
+        preload = [name for name in _PRELOAD if name in sys.modules]
+        preload += sorted(
+            name for name in sys.modules if name.startswith("lightning_mm.") and not name.endswith(".__main__")
+        )
+        ctx.set_forkserver_preload(preload)
+        # numpy's OpenBLAS starts a worker thread at import; a fork from a process with another thread inherits
+        # whatever that thread held (two suite runs died with "malloc(): unaligned tcache chunk detected" in a
+        # rank). With one BLAS thread the server has no thread but its own: measured, /proc/<server>/task.
+        saved = os.environ.get("OPENBLAS_NUM_THREADS")
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OPENBLAS_NUM_THREADS"]
+            else:
+                os.environ["OPENBLAS_NUM_THREADS"] = saved
     return ctx
+
+
+def forkserver_threads() -> int | None:
+    """Threads of the running forkserver (Linux; ``None`` when none runs): 1 is the state ranks must fork from."""
+    pid = forkserver._forkserver._forkserver_pid
+    return None if pid is None else len(os.listdir(f"/proc/{pid}/task"))
 
 
 def _enter(environ: dict, cwd: str) -> None:
