@@ -8,21 +8,21 @@ Each rank runs with one intra-op thread unless the environment variable ``LIGHTN
 count (:func:`test_threads`): parity tests are run with 1 and 2 threads to show that their claims do not depend on
 the reduction order a thread count implies.
 
-Ranks are forked from a ``forkserver`` that has already imported the heavy modules the caller has imported (torch,
-Lightning, transformers, this package): a spawned rank spends ~5 s importing them again, which on a 2-core machine
-made process start-up the largest part of the test suite. What a forked rank shares with the server, and how each
-is handled:
+Ranks are spawned (a fresh interpreter each). :func:`run_in_process` instead forks one process from a
+``forkserver`` that has already imported the heavy modules the caller has imported (torch, Lightning, transformers,
+this package): a fresh interpreter spends ~5 s importing them, which for tests that start dozens of short runs was
+most of their time. What a forked process shares with the server, and how each is handled:
 
-* the environment: the caller's, at launch time, replaces the server's in every rank (multiprocessing restores only
-  the working directory, ``sys.path`` and ``__main__``). Libraries that read a variable *at import* (``HF_*``,
-  ``TORCH_*``, ``OMP_*``, ...) saw the server's; a launch whose such variables differ from the server's is spawned
-  instead (:data:`_IMPORT_TIME_ENV`);
-* numpy's global random state (Python's ``random`` is reseeded after a fork by Python itself): reseeded per rank;
-* the server's standard output: ranks write where the server's stdout / stderr pointed when it started (pytest's
-  ``capfd`` does not see rank output; no test relies on it).
+* the environment: the caller's, at launch time, replaces the server's (multiprocessing restores only the working
+  directory, ``sys.path`` and ``__main__``). Libraries that read a variable *at import* (``HF_*``, ``TORCH_*``,
+  ``OMP_*``, ...) saw the server's; a launch whose such variables differ from the server's is spawned instead
+  (:data:`_IMPORT_TIME_ENV`);
+* numpy's global random state (Python's ``random`` is reseeded after a fork by Python itself): reseeded;
+* the server's standard output: the process writes where the server's stdout / stderr pointed when it started.
 
 The server only imports, with one OpenBLAS thread, so it has no thread but its own when it forks
-(:func:`forkserver_threads`); it initialises no device.
+(:func:`forkserver_threads`); it initialises no device. Ranks of :func:`run_distributed` are not forked: forked
+gloo ranks died now and then with heap corruption in gloo / TCPStore code (cause not found).
 """
 
 from __future__ import annotations
@@ -203,14 +203,17 @@ def _failure_report(errors: dict[int, str], procs: list, results, finished: set[
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0, pg_timeout: float = 90.0
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new gloo ranks; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank.
 
     ``fn`` must be importable (module level). The process group (collective timeout ``pg_timeout`` seconds) is
     initialised before ``fn`` and destroyed after. An exception on any rank, a rank that dies, or ``timeout``
     seconds without all results raises in the caller with the tracebacks of every rank that failed; every process is
     torn down in all cases.
     """
-    ctx = _context()
+    # Spawned, not forked from the preloaded server: forked ranks died now and then in gloo / TCPStore code (heap
+    # corruption, "malloc(): unaligned tcache chunk detected", 3 of 4 full-suite runs; cause not found), so ranks
+    # pay for their own imports. See :func:`run_in_process` for single processes.
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     launch = (pg_timeout, results, dict(os.environ), os.getcwd())

@@ -1,5 +1,6 @@
-"""The test launcher: ranks forked from a preloaded, single-threaded server see the caller's environment, draw
-their own random numbers, and a failure names the rank that caused it."""
+"""The test launcher: processes forked from the preloaded server (``run_in_process``) fork from a single-threaded
+state; ranks see the caller's environment and draw their own random numbers; a failure names the rank that caused
+it."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ def _fail_on_rank_one(rank: int, world: int) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ranks_fork_from_a_single_threaded_server_and_see_the_callers_environment(monkeypatch):
+def test_processes_fork_from_a_single_threaded_server_and_ranks_see_the_callers_environment(monkeypatch):
     monkeypatch.setenv("LIGHTNING_MM_LAUNCH_PROBE", "set by this test")
-    first, second = launch.run_distributed(_draw, 2)
+    assert launch.run_in_process(_draw, 0, 1) == 0
     assert launch.forkserver_threads() == 1  # numpy's OpenBLAS thread would make it 2: forks inherit its state
+    first, second = launch.run_distributed(_draw, 2)
     assert first[1] == second[1] == "set by this test"
     assert first[0] != second[0]  # numpy reseeded in each rank, not the server's state copied into both
 
