@@ -99,9 +99,9 @@ def _context():
             name for name in sys.modules if name.startswith("lightning_mm.") and not name.endswith(".__main__")
         )
         ctx.set_forkserver_preload(preload)
-        # numpy's OpenBLAS starts a worker thread at import; a fork from a process with another thread inherits
-        # whatever that thread held (two suite runs died with "malloc(): unaligned tcache chunk detected" in a
-        # rank). With one BLAS thread the server has no thread but its own: measured, /proc/<server>/task.
+        # numpy's OpenBLAS starts a worker thread at import, and a fork from a process with another thread inherits
+        # whatever that thread held. With one BLAS thread the server has no thread but its own (measured,
+        # /proc/<server>/task). This did not cure the crashes of forked gloo ranks (see run_distributed).
         saved = os.environ.get("OPENBLAS_NUM_THREADS")
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
         try:
@@ -147,11 +147,8 @@ def run_in_process(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -
     return proc.exitcode
 
 
-def _rank_entry(
-    fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout: float, results, environ: dict, cwd: str
-) -> None:
-    try:
-        _enter(environ, cwd)
+def _rank_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout: float, results) -> None:
+    try:  # (spawned: the environment and working directory are the caller's already)
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -216,9 +213,8 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    launch = (pg_timeout, results, dict(os.environ), os.getcwd())
     procs = [
-        ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, *launch), daemon=True)
+        ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, pg_timeout, results), daemon=True)
         for r in range(world_size)
     ]
     for proc in procs:
