@@ -23,3 +23,13 @@ def _isolated_cache(tmp_path_factory):
     if "LIGHTNING_MM_CACHE" not in os.environ:
         os.environ["LIGHTNING_MM_CACHE"] = str(tmp_path_factory.mktemp("lightning_mm_cache"))
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_ranks():
+    """Multi-rank tests reuse their spawned ranks (``lightning_mm.testing.warm_ranks``): a fresh interpreter per rank
+    and launch spent ~5 s importing torch and Lightning, about half the suite's time."""
+    from lightning_mm.testing.launch import warm_ranks
+
+    with warm_ranks():
+        yield

@@ -8,33 +8,39 @@ Each rank runs with one intra-op thread unless the environment variable ``LIGHTN
 count (:func:`test_threads`): parity tests are run with 1 and 2 threads to show that their claims do not depend on
 the reduction order a thread count implies.
 
-Ranks are spawned (a fresh interpreter each). :func:`run_in_process` instead forks one process from a
-``forkserver`` that has already imported the heavy modules the caller has imported (torch, Lightning, transformers,
-this package): a fresh interpreter spends ~5 s importing them, which for tests that start dozens of short runs was
-most of their time. What a forked process shares with the server, and how each is handled:
+Ranks are spawned (a fresh interpreter each), and inside :func:`warm_ranks` (the test suite) kept alive for the
+next launch of the same size, which saves the ~5 s a fresh interpreter spends importing torch and Lightning
+(:class:`_ProcessState` says what a warm rank puts back between launches). :func:`run_in_process` instead forks one
+process from a ``forkserver`` that has already imported the heavy modules the caller has imported (torch, Lightning,
+transformers, this package). What a forked process shares with the server, and how each is handled:
 
 * the environment: the caller's, at launch time, replaces the server's (multiprocessing restores only the working
   directory, ``sys.path`` and ``__main__``). Libraries that read a variable *at import* (``HF_*``, ``TORCH_*``,
   ``OMP_*``, ...) saw the server's; a launch whose such variables differ from the server's is spawned instead
-  (:data:`_IMPORT_TIME_ENV`);
+  (:data:`_IMPORT_TIME_ENV`; warm ranks are replaced by fresh ones in the same case);
 * numpy's global random state (Python's ``random`` is reseeded after a fork by Python itself): reseeded;
 * the server's standard output: the process writes where the server's stdout / stderr pointed when it started.
 
 The server only imports, with one OpenBLAS thread, so it has no thread but its own when it forks
 (:func:`forkserver_threads`); it initialises no device. Ranks of :func:`run_distributed` are not forked: forked
-gloo ranks died now and then with heap corruption in gloo / TCPStore code (cause not found).
+gloo ranks died now and then with heap corruption in gloo / TCPStore code (cause not found); warm ranks are spawned
+interpreters that were never forked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
+import random
+import signal
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing import forkserver
 from typing import Any
@@ -43,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["THREADS_ENV", "free_port", "run_distributed", "run_in_process", "test_threads"]
+__all__ = ["THREADS_ENV", "free_port", "run_distributed", "run_in_process", "test_threads", "warm_ranks"]
 
 THREADS_ENV = "LIGHTNING_MM_TEST_THREADS"
 
@@ -147,43 +153,190 @@ def run_in_process(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -
     return proc.exitcode
 
 
-def _rank_entry(fn, rank: int, world_size: int, port: int, args: tuple, pg_timeout: float, results) -> None:
-    try:  # (spawned: the environment and working directory are the caller's already)
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            NODE_RANK="0",
-            GROUP_RANK="0",
+class _ProcessState:
+    """What a launch may change process-wide in a rank, captured before the first launch and put back after each,
+    so that a warm rank starts every launch as a fresh interpreter would; random generators (torch, ``random``,
+    numpy) are seeded afresh from the OS, as a new interpreter seeds them."""
+
+    _SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.sys_path = list(sys.path)
+        self.default_dtype = torch.get_default_dtype()
+        self.grad_enabled = torch.is_grad_enabled()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.deterministic_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        self.matmul_precision = torch.get_float32_matmul_precision()
+        self.warning_filters = list(warnings.filters)
+        signums = [getattr(signal, name) for name in self._SIGNALS if hasattr(signal, name)]
+        self.handlers = {signum: signal.getsignal(signum) for signum in signums}
+
+    def restore(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.sys_path
+        torch.seed()
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        torch.set_default_dtype(self.default_dtype)
+        torch.set_grad_enabled(self.grad_enabled)
+        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
+        torch.set_float32_matmul_precision(self.matmul_precision)
+        warnings.filters[:] = self.warning_filters
+        for signum, handler in self.handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+def _forget_process_groups() -> None:
+    """Drop torch's caches that hold DeviceMesh objects, before the process group they name is destroyed.
+
+    DTensor memoizes each op's output sharding keyed by the input specs, and ``DeviceMesh`` compares by rank layout
+    and dimension names, not by process group: the next launch's mesh over the same ranks hits that cache and gets
+    the previous launch's mesh, whose groups no longer exist ("Could not resolve the process group registered under
+    the name N"). The same analysis and fix: https://github.com/NVIDIA/Megatron-LM/pull/7029 (torch offers only
+    these debug helpers to clear the caches).
+    """
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    if "torch._dynamo" in sys.modules:  # compiled graphs guard on (and call into) the old groups too
+        torch._dynamo.reset()
+
+
+def _rank_main(rank: int, world_size: int, tasks, results) -> None:
+    """A rank's life: run launches from ``tasks`` until ``None`` arrives (a fresh rank gets one launch)."""
+    initial = _ProcessState()
+    while (task := tasks.get()) is not None:
+        launch_id, fn, args, port, pg_timeout, environ, cwd, path = task
+        try:
+            os.environ.clear()
+            os.environ.update(environ)
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                NODE_RANK="0",
+                GROUP_RANK="0",
+            )
+            os.chdir(cwd)
+            sys.path[:] = path
+            # Ranks share the machine's cores: one thread each by default (oversubscription makes runs slow, not
+            # wrong).
+            torch.set_num_threads(test_threads(1))
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+            # Serialized to bytes: a tensor put on the queue directly travels as a shared-memory handle,
+            # which is gone once this process exits before the parent reads it.
+            buffer = io.BytesIO()
+            torch.save(fn(rank, world_size, *args), buffer)
+            results.put((launch_id, rank, "ok", buffer.getvalue()))
+        except BaseException:
+            results.put((launch_id, rank, "error", traceback.format_exc()))
+        finally:
+            if dist.is_initialized():
+                _forget_process_groups()
+                dist.destroy_process_group()
+            initial.restore()
+
+
+class _Ranks:
+    """``world_size`` spawned ranks that run launches one after another; any failure closes them (a rank that saw
+    one may be stuck in a collective or left in any state)."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.import_environment = _import_time_environment(dict(os.environ))
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [
+            ctx.Process(target=_rank_main, args=(r, world_size, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self.launches = 0
+
+    def usable(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs) and self.import_environment == _import_time_environment(
+            dict(os.environ)
         )
-        # Ranks share the machine's cores: one thread each by default (oversubscription makes runs slow, not wrong).
-        torch.set_num_threads(test_threads(1))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
-        # Serialized to bytes: a tensor put on the queue directly travels as a shared-memory handle,
-        # which is gone once this process exits before the parent reads it.
-        buffer = io.BytesIO()
-        torch.save(fn(rank, world_size, *args), buffer)
-        results.put((rank, "ok", buffer.getvalue()))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout: float, pg_timeout: float) -> list[Any]:
+        self.launches += 1
+        launch_id = self.launches
+        port = free_port()
+        task = (launch_id, fn, args, port, pg_timeout, dict(os.environ), os.getcwd(), list(sys.path))
+        for queue_ in self.tasks:
+            queue_.put(task)
+        collected: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(collected) < self.world_size:
+            try:
+                got_id, rank, status, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in collected]
+                if dead:
+                    raise RuntimeError(
+                        f"rank {dead[0]} died with exit code {self.procs[dead[0]].exitcode}"
+                        + _failure_report({}, self.procs, self.results, set(collected), launch_id)
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(self.world_size)) - set(collected))} did not finish within "
+                        f"{timeout:.0f} s"
+                    ) from None
+                continue
+            if got_id != launch_id:  # cannot happen: ranks are closed after any launch that did not complete
+                raise RuntimeError(f"a rank answered launch {got_id} during launch {launch_id}")
+            if status == "error":
+                raise RuntimeError(_failure_report({rank: value}, self.procs, self.results, set(collected), launch_id))
+            # Results of the ranks this function spawned itself (test / benchmark code), never a user's file.
+            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        return [collected[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for queue_, proc in zip(self.tasks, self.procs, strict=True):
+            if proc.is_alive():
+                try:
+                    queue_.put(None)
+                except (OSError, ValueError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for queue_ in (*self.tasks, self.results):
+            queue_.close()
+            queue_.cancel_join_thread()
 
 
-def _failure_report(errors: dict[int, str], procs: list, results, finished: set[int], grace: float = 5.0) -> str:
+def _failure_report(
+    errors: dict[int, str], procs: list, results, finished: set[int], launch_id: int, grace: float = 5.0
+) -> str:
     """The failure of ``errors`` plus what every other rank did within ``grace`` seconds: the cause is often on
     another rank (a peer's "Connection reset by peer" is the echo of a crash elsewhere)."""
     pending = set(range(len(procs))) - set(errors) - finished
     deadline = time.monotonic() + grace
     while pending and time.monotonic() < deadline:
         try:
-            rank, status, value = results.get(timeout=0.2)
+            got_id, rank, status, value = results.get(timeout=0.2)
         except queue.Empty:
             pending = {r for r in pending if procs[r].exitcode is None}
+            continue
+        if got_id != launch_id:
             continue
         pending.discard(rank)
         if status == "error":
@@ -197,51 +350,80 @@ def _failure_report(errors: dict[int, str], procs: list, results, finished: set[
     return "\n".join(report)
 
 
+_warm: dict[int, _Ranks] | None = None
+"""Ranks kept alive between launches, by world size, while :func:`warm_ranks` is active; ``None`` otherwise."""
+
+_MAX_WARM_PROCESSES = 9
+"""Warm ranks kept at most (e.g. worlds of 2, 3 and 4): each holds several hundred MB once it has trained."""
+
+
+@contextlib.contextmanager
+def warm_ranks() -> Iterator[None]:
+    """Within this context, :func:`run_distributed` keeps its ranks alive and runs the next launch of the same world
+    size in them, instead of spawning fresh interpreters (which spend ~5 s each importing torch and Lightning).
+
+    Between launches every rank destroys its process group and puts back its environment, working directory,
+    ``sys.path``, default dtype, grad mode, deterministic-algorithm and matmul-precision
+    settings, warning filters and signal handlers, and reseeds its random generators from the OS
+    (:class:`_ProcessState`). What it keeps: imported modules and
+    their module-level state, and its peak memory (``ru_maxrss``); a launch that measures those passes
+    ``fresh=True``. A launch that fails in any way closes the ranks it ran on. Ranks keep the standard output they
+    were spawned with. The test suite runs inside this context (``tests/conftest.py``); benchmarks do not.
+    """
+    global _warm
+    if _warm is not None:  # nested: the outer context owns the ranks
+        yield
+        return
+    _warm = {}
+    try:
+        yield
+    finally:
+        pools, _warm = list(_warm.values()), None
+        for ranks in pools:
+            ranks.close()
+
+
+def _warm_ranks_for(world_size: int) -> _Ranks:
+    assert _warm is not None
+    ranks = _warm.pop(world_size, None)
+    if ranks is not None and not ranks.usable():
+        ranks.close()
+        ranks = None
+    if ranks is None:
+        while _warm and sum(r.world_size for r in _warm.values()) + world_size > _MAX_WARM_PROCESSES:
+            _warm.pop(next(iter(_warm))).close()  # the least recently used
+        ranks = _Ranks(world_size)
+    _warm[world_size] = ranks  # (re)inserted last: most recently used
+    return ranks
+
+
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0, pg_timeout: float = 90.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240.0,
+    pg_timeout: float = 90.0,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank.
 
     ``fn`` must be importable (module level). The process group (collective timeout ``pg_timeout`` seconds) is
     initialised before ``fn`` and destroyed after. An exception on any rank, a rank that dies, or ``timeout``
     seconds without all results raises in the caller with the tracebacks of every rank that failed; every process is
-    torn down in all cases.
+    torn down in all cases. Inside :func:`warm_ranks` the ranks of the previous launch of this size are reused
+    unless ``fresh``.
     """
     # Spawned, not forked from the preloaded server: forked ranks died now and then in gloo / TCPStore code (heap
-    # corruption, "malloc(): unaligned tcache chunk detected", 3 of 4 full-suite runs; cause not found), so ranks
-    # pay for their own imports. See :func:`run_in_process` for single processes.
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, pg_timeout, results), daemon=True)
-        for r in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    collected: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    # corruption, "malloc(): unaligned tcache chunk detected", 3 of 4 full-suite runs; cause not found).
+    warm = _warm is not None and not fresh
+    ranks = _warm_ranks_for(world_size) if warm else _Ranks(world_size)
+    completed = False
     try:
-        while len(collected) < world_size:
-            try:
-                rank, status, value = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in collected]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout:.0f} s"
-                    ) from None
-                continue
-            if status == "error":
-                raise RuntimeError(_failure_report({rank: value}, procs, results, set(collected)))
-            # Results of the ranks this function spawned itself (test / benchmark code), never a user's file.
-            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        result = ranks.run(fn, args, timeout, pg_timeout)
+        completed = True
+        return result
     finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [collected[r] for r in range(world_size)]
+        if not (warm and completed):
+            if warm:
+                _warm.pop(world_size, None)
+            ranks.close()
