@@ -10,8 +10,9 @@ Thin glue over :mod:`lightning_mm.parallel` (which has no Lightning imports):
   Lightning's ``ModelParallelStrategy``), asks the module how it is parallelized (its ``parallel_plan()``,
   :mod:`lightning_mm.parallel.protocol`; the generic rules when it has none) and applies pipeline split -> tensor
   parallel (+ EP) -> activation checkpointing -> FSDP2 / HSDP, the torchtitan order. The strategy knows no model.
-* Pipeline parallel runs ``torch.distributed.pipelining`` schedules inside ``training_step``
-  (:mod:`lightning_mm.strategies.pipeline_loop`).
+* Pipeline parallel: the model is cut into this rank's stages, each parallelised in the same order
+  (:mod:`lightning_mm.strategies.pipeline_setup`), and ``torch.distributed.pipelining`` schedules run inside
+  ``training_step`` / ``validation_step`` (:mod:`lightning_mm.strategies.pipeline_loop`).
 * Gradient clipping by norm counts every shard once, through a Precision plugin subclass
   (:mod:`lightning_mm.strategies.precision`).
 * Checkpoints are DCP directories keyed by unsharded FQNs with the topology beside them
@@ -24,10 +25,9 @@ rule and its checkpoint loading (which rejects a model without DTensors, i.e. re
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -55,15 +55,9 @@ from lightning_mm.parallel.fsdp import (
     transformer_blocks,
 )
 from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions
-from lightning_mm.parallel.pipeline import (
-    PipelineSplit,
-    auto_split,
-    explicit_split,
-    sequential_pipeline_spec,
-    stage_ids_for_rank,
-)
 from lightning_mm.parallel.plans import apply_tensor_parallel
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
+from lightning_mm.strategies import pipeline_loop
 from lightning_mm.strategies._compat import (
     materialize_distributed_module,
     optimizers_to_device,
@@ -73,6 +67,7 @@ from lightning_mm.strategies._compat import (
 )
 from lightning_mm.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
+from lightning_mm.strategies.pipeline_setup import build_pipeline, check_pipeline_precision, pipeline_spec
 from lightning_mm.strategies.precision import with_mesh_clipping
 
 __all__ = ["HybridParallelStrategy"]
@@ -87,26 +82,6 @@ Kept here rather than as attributes on the user's module."""
 def _describe(mesh: dict[str, int]) -> str:
     parts = [f"{name}{size}" for name, size in mesh.items() if size > 1]
     return " x ".join(parts) if parts else "no parallelism"
-
-
-def _default_pipeline_inputs(batch: Any) -> tuple[torch.Tensor, ...]:
-    if isinstance(batch, torch.Tensor):
-        return (batch,)
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        return (batch[0],)
-    raise TypeError(
-        f"cannot tell the pipeline's stage-0 inputs from a batch of type {type(batch).__name__}; define "
-        "pipeline_inputs(batch) -> tuple of tensors on the LightningModule"
-    )
-
-
-def _default_pipeline_target(batch: Any) -> Any:
-    if isinstance(batch, (tuple, list)) and len(batch) > 1:
-        return batch[1]
-    raise TypeError(
-        f"cannot tell the pipeline's target from a batch of type {type(batch).__name__}; define "
-        "pipeline_target(batch) on the LightningModule"
-    )
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -518,105 +493,28 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _pipeline_spec(self, module: nn.Module, plan: ParallelPlan) -> PipelineSpec:
         """The module's own pipeline, or the generic chain cut by ``pipeline_split`` with its ``pipeline_*`` hooks."""
-        if plan.pipeline is not None:
-            return plan.pipeline
-        if self.pipeline_split == "auto":
-            raise ValueError(
-                f"pipeline_parallel > 1 with {type(module).__name__}, which declares no pipeline "
-                "(parallel_plan()): pass pipeline_split=[FQNs of the modules that begin stages 1..], "
-                "e.g. ['net.layers.2'], and define pipeline_loss(output, target) on the module"
-            )
-        loss_fn: Callable | None = getattr(module, "pipeline_loss", None)
-        if not callable(loss_fn):
-            raise ValueError(
-                f"pipeline_parallel > 1: {type(module).__name__} must define pipeline_loss(output, "
-                "target) -> the mean loss of a microbatch (the last stage's output and the target); "
-                "the schedule computes the loss, so training_step is not called"
-            )
-        inputs = getattr(module, "pipeline_inputs", None) or _default_pipeline_inputs
-        target = getattr(module, "pipeline_target", None) or _default_pipeline_target
-        return sequential_pipeline_spec(module, self.pipeline_split, loss_fn, self._microbatches(), inputs, target)
-
-    def _pipeline_split(self, spec: PipelineSpec, num_stages: int) -> PipelineSplit:
-        if self.pipeline_split != "auto":
-            return explicit_split(spec.units, self.pipeline_split, num_stages)
-        if spec.unit_costs is None:
-            raise ValueError(
-                "pipeline_split='auto' needs the model's unit costs (PipelineSpec.unit_costs); pass the "
-                f"FQNs that begin stages 1.. instead, from {list(spec.units)}"
-            )
-        return auto_split(spec.units, spec.unit_costs(), num_stages)
+        return pipeline_spec(module, plan, self.pipeline_split, self._microbatches())
 
     def _parallelize_pipeline(self, module: nn.Module, plan: ParallelPlan, mp_policy) -> PipelineRunner:
-        """Cut the model into this rank's stage(s), then TP -> activation checkpointing -> FSDP2 per stage.
-
-        FSDP2 runs with ``reshard_after_forward=False`` inside stages (parameters stay gathered across the
-        microbatches of a step, as torchtitan does under PP). Stage modules share the model's submodules, so the
-        optimizer and checkpoints see the unsplit FQNs of this rank's layers.
-        """
-        if mp_policy is not None and mp_policy.param_dtype == torch.float16:
-            raise ValueError(
-                "pipeline_parallel > 1 with precision='16-mixed' (MeshFP16Precision) is not supported yet: the "
-                "schedule runs backward itself, without the grad scaler's loss scaling; use bf16-mixed"
-            )
-        dims = self.parallel_dims
-        if dims.tp_enabled and self.sequence_parallel:
-            raise ValueError(
-                "pipeline_parallel > 1 with sequence_parallel=True is not supported yet (the sequence-"
-                "parallel plan shards and gathers at the model's entry and exit, which a stage may not "
-                "hold); use sequence_parallel=False"
-            )
-        spec = self._pipeline_spec(module, plan)
-        num_stages = dims.pp * self.virtual_stages
-        if spec.max_stages_per_rank is not None and self.virtual_stages > spec.max_stages_per_rank:
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages}: {type(module).__name__}'s pipeline supports "
-                f"{spec.max_stages_per_rank} stage(s) per rank"
-            )
-        split = self._pipeline_split(spec, num_stages)
-        pp_mesh = dims.get_mesh("pp")
-        pp_rank = pp_mesh.get_local_rank()
-        stage_ids = stage_ids_for_rank(pp_rank, dims.pp, self.virtual_stages)
-        stage_modules = spec.build_stages(split, stage_ids)
-        if dims.tp_enabled:
-            # The plan, restricted to the modules this rank's stages still hold (patterns of pruned layers would
-            # otherwise "match nothing"). Stage boundaries carry plain tensors, replicated over tp.
-            present = [name for name, _ in module.named_modules()]
-            tp_plan = {
-                pattern: style
-                for pattern, style in self._require_tp_plan(module, plan).items()
-                if any(fnmatch.fnmatchcase(name, pattern) for name in present)
-            }
-            apply_tensor_parallel(module, dims.get_mesh("tp"), tp_plan)
-        blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
-        fsdp_mesh = self._fsdp_mesh()
-        for stage_module in stage_modules:
-            inside = {id(sub) for sub in stage_module.modules()}
-            stage_blocks = [b for b in blocks if id(b) in inside and b is not stage_module]
-            if self.activation_checkpointing:
-                apply_activation_checkpointing(stage_blocks)
-            if fsdp_mesh is not None:
-                apply_fsdp(
-                    stage_module,
-                    fsdp_mesh,
-                    mp_policy=mp_policy,
-                    reshard_after_forward=False,
-                    cpu_offload=self.cpu_offload,
-                    blocks=stage_blocks,
-                )
-        if dims.coordinates(self.global_rank)["dp"] == 0:
-            log.info(
-                "pipeline rank %d holds stage(s) %s: %s", pp_rank, stage_ids, [split.stage_units(s) for s in stage_ids]
-            )
-        return PipelineRunner(
-            spec,
-            split,
-            stage_modules,
-            stage_ids,
-            self.root_device,
-            pp_mesh.get_group(),
-            self.pipeline_schedule,
-            self._microbatches(),
+        """Cut the model into this rank's stage(s), then TP -> activation checkpointing -> FSDP2 per stage
+        (:func:`~lightning_mm.strategies.pipeline_setup.build_pipeline`)."""
+        check_pipeline_precision(mp_policy)  # (first: refused whether or not the mesh exists yet)
+        return build_pipeline(
+            module,
+            plan,
+            mp_policy,
+            dims=self.parallel_dims,
+            device=self.root_device,
+            global_rank=self.global_rank,
+            split=self.pipeline_split,
+            virtual_stages=self.virtual_stages,
+            schedule=self.pipeline_schedule,
+            microbatches=self._microbatches(),
+            sequence_parallel=self.sequence_parallel,
+            activation_checkpointing=self.activation_checkpointing,
+            cpu_offload=self.cpu_offload,
+            fsdp_mesh=self._fsdp_mesh(),
+            tp_plan=lambda: self._require_tp_plan(module, plan),
         )
 
     @property
@@ -624,62 +522,35 @@ class HybridParallelStrategy(ModelParallelStrategy):
         """Stages, schedules and timeline of this rank (None without pipeline parallelism)."""
         return self._pipeline
 
-    def _log_pipeline_values(self, stage: str, values: dict[str, torch.Tensor], batch_size: int, on_step: bool) -> None:
-        # Each value is this rank's share of the global batch's loss (as the module's own losses are), identical
-        # over the pipeline ranks; sync_dist's mean over all ranks is the global loss.
-        for name, value in values.items():
-            self.lightning_module.log(
-                f"{stage}/{name}",
-                value,
-                prog_bar=name == "loss",
-                on_step=on_step,
-                on_epoch=not on_step,
-                batch_size=batch_size,
-                sync_dist=True,
-            )
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under pipeline parallelism the schedule runs forward + backward here and the module's ``training_step`` is
         not called; the strategy logs ``train/loss`` (and the objective's other values) with the module's ``log``."""
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
-        runner = self._pipeline
-        trainer = self.lightning_module.trainer
-        batch, batch_idx = args[0], args[1]
-        accumulate = trainer.accumulate_grad_batches
-        if batch_idx % accumulate == 0:
-            # Lightning's own zero_grad is skipped with its backward (skip_lightning_backward in on_train_start).
-            for optimizer in self.optimizers:
-                optimizer.zero_grad(set_to_none=True)
-        record_step, path = self._timeline_request
-        step_start = runner.record(
-            record_step is not None and trainer.global_step == record_step and runner.timeline is None
-        )
-        values = runner.run(
-            batch,
+        return pipeline_loop.training_step(
+            self._pipeline,
+            self.lightning_module,
+            self.optimizers,
+            args[0],
+            args[1],
             self.data_parallel_group,
-            train=True,
-            loss_divisor=accumulate,
-            context=self.precision_plugin.train_step_context,
+            self.precision_plugin.train_step_context,
+            self._timeline_request,
+            self.global_rank,
         )
-        if runner.recorder.enabled:
-            runner.collect_timeline(step_start, path, self.global_rank)
-        self._log_pipeline_values("train", values, _rows(batch), on_step=True)
-        # Lightning divides this by accumulate_grad_batches for its records, as for a module's own loss.
-        return values["loss"]
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
-        batch = args[0]
-        values = self._pipeline.run(
-            batch, self.data_parallel_group, train=False, loss_divisor=1, context=self.precision_plugin.val_step_context
+        pipeline_loop.validation_step(
+            self._pipeline,
+            self.lightning_module,
+            args[0],
+            self.data_parallel_group,
+            self.precision_plugin.val_step_context,
         )
-        # Metrics that need logits / embeddings on every rank (token accuracy, recall) are not computed under
-        # pipeline parallelism; the objective's losses are logged.
-        self._log_pipeline_values("val", values, _rows(batch), on_step=False)
         return None
 
     @override
@@ -876,16 +747,3 @@ class HybridParallelStrategy(ModelParallelStrategy):
             fqns = [names[param] for group in optimizer.param_groups for param in group["params"]]
             set_optimizer_state_dict(self.model, optimizer, ckpt.optimizer_state_by_fqn(saved, fqns), options=options)
         return checkpoint
-
-
-def _rows(batch: Any) -> int:
-    """Samples in a batch, for Lightning's epoch averages of logged values."""
-    for attribute in ("num_samples", "num_rows"):
-        value = getattr(batch, attribute, None)
-        if isinstance(value, int):
-            return max(value, 1)
-    if isinstance(batch, torch.Tensor):
-        return max(batch.shape[0], 1)
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        return max(batch[0].shape[0], 1)
-    return 1
