@@ -10,12 +10,14 @@ Thin glue over :mod:`lightning_mm.parallel` (which has no Lightning imports):
   Lightning's ``ModelParallelStrategy``), asks the module how it is parallelized (its ``parallel_plan()``,
   :mod:`lightning_mm.parallel.protocol`; the generic rules when it has none) and applies pipeline split -> tensor
   parallel (+ EP) -> activation checkpointing -> FSDP2 / HSDP, the torchtitan order. The strategy knows no model.
-* Pipeline parallel runs ``torch.distributed.pipelining`` schedules inside ``training_step``
-  (:mod:`lightning_mm.strategies.pipeline_loop`).
+* Pipeline parallel: the model is cut into this rank's stages, each parallelised in the same order
+  (:mod:`lightning_mm.strategies.pipeline_setup`), and ``torch.distributed.pipelining`` schedules run inside
+  ``training_step`` / ``validation_step`` (:mod:`lightning_mm.strategies.pipeline_loop`).
 * Gradient clipping by norm counts every shard once, through a Precision plugin subclass
   (:mod:`lightning_mm.strategies.precision`).
 * Checkpoints are DCP directories keyed by unsharded FQNs with the topology beside them
-  (:mod:`lightning_mm.checkpoint`), so they resume on another mesh and consolidate into one file.
+  (:mod:`lightning_mm.checkpoint`), so they resume on another mesh and consolidate into one file; the save / load
+  hooks delegate to :mod:`lightning_mm.strategies.checkpointing`.
 
 It subclasses Lightning's ``ModelParallelStrategy`` for the process launch, device handling, precision plugins
 and the sharded ``state_dict`` collection, and replaces its fixed 2-D mesh, its "configure_model is required"
@@ -24,16 +26,12 @@ rule and its checkpoint loading (which rejects a model without DTensors, i.e. re
 
 from __future__ import annotations
 
-import fnmatch
-import logging
 import weakref
-from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -44,7 +42,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-import lightning_mm
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.parallel.dims import DP_SHARD_MOD_EP, MeshAxis, ParallelDims
 from lightning_mm.parallel.experts import expert_parameters
@@ -55,15 +52,9 @@ from lightning_mm.parallel.fsdp import (
     transformer_blocks,
 )
 from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions
-from lightning_mm.parallel.pipeline import (
-    PipelineSplit,
-    auto_split,
-    explicit_split,
-    sequential_pipeline_spec,
-    stage_ids_for_rank,
-)
 from lightning_mm.parallel.plans import apply_tensor_parallel
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
+from lightning_mm.strategies import checkpointing, pipeline_loop
 from lightning_mm.strategies._compat import (
     materialize_distributed_module,
     optimizers_to_device,
@@ -72,41 +63,16 @@ from lightning_mm.strategies._compat import (
     train_loader_built,
 )
 from lightning_mm.strategies.checkpoint_io import AtomicCheckpointIO
+from lightning_mm.strategies.checkpointing import describe_mesh
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
+from lightning_mm.strategies.pipeline_setup import build_pipeline, check_pipeline_precision, pipeline_spec
 from lightning_mm.strategies.precision import with_mesh_clipping
 
 __all__ = ["HybridParallelStrategy"]
 
-log = logging.getLogger(__name__)
-
 _PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, PipelineRunner | None] = weakref.WeakKeyDictionary()
 """Modules this process has parallelized (a second ``fit`` / ``validate`` reuses them), with their pipeline runner.
 Kept here rather than as attributes on the user's module."""
-
-
-def _describe(mesh: dict[str, int]) -> str:
-    parts = [f"{name}{size}" for name, size in mesh.items() if size > 1]
-    return " x ".join(parts) if parts else "no parallelism"
-
-
-def _default_pipeline_inputs(batch: Any) -> tuple[torch.Tensor, ...]:
-    if isinstance(batch, torch.Tensor):
-        return (batch,)
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        return (batch[0],)
-    raise TypeError(
-        f"cannot tell the pipeline's stage-0 inputs from a batch of type {type(batch).__name__}; define "
-        "pipeline_inputs(batch) -> tuple of tensors on the LightningModule"
-    )
-
-
-def _default_pipeline_target(batch: Any) -> Any:
-    if isinstance(batch, (tuple, list)) and len(batch) > 1:
-        return batch[1]
-    raise TypeError(
-        f"cannot tell the pipeline's target from a batch of type {type(batch).__name__}; define "
-        "pipeline_target(batch) on the LightningModule"
-    )
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -290,41 +256,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     def topology(self) -> dict[str, Any]:
-        """Mesh and versions recorded in every checkpoint."""
-        dims = self.parallel_dims
-        return {
-            "world_size": dims.world_size,
-            "mesh": {
-                "pp": dims.pp,
-                "dp_replicate": dims.dp_replicate,
-                "dp_shard": dims.dp_shard,
-                "tp": dims.tp,
-                "ep": dims.ep,
-            },
-            "sequence_parallel": self.sequence_parallel,
-            "expert_layout": self._expert_layout(),
-            "torch": str(torch.__version__),  # a plain str: TorchVersion would break weights_only loading
-            "lightning": pl.__version__,
-            "lightning_mm": lightning_mm.__version__,
-        }
-
-    def _expert_layout(self) -> str:
-        """Order in which the stacked expert weights are stored: ``"logical"`` (no EP, or the contiguous "modality"
-        placement) or ``"round_robin_ep<N>"`` ("uniform": permuted, see :mod:`lightning_mm.parallel.experts`)."""
-        dims = self.parallel_dims
-        if dims.ep_enabled and self.expert_placement == "uniform":
-            return f"round_robin_ep{dims.ep}"
-        return "logical"
-
-    def _check_expert_layout(self, saved: dict[str, Any], path: Path) -> None:
-        saved_layout, now = saved.get("expert_layout", "logical"), self._expert_layout()
-        if saved_layout != now:
-            raise ValueError(
-                f"checkpoint {str(path)!r} stores the experts in {saved_layout!r} order but this run expects {now!r}: "
-                "expert_placement='uniform' stores them permuted (round robin), so such checkpoints only load into a "
-                "'uniform' run with the same expert_parallel; use expert_placement='modality' for checkpoints that "
-                "move between expert-parallel and other runs"
-            )
+        """Mesh and versions recorded in every checkpoint (:func:`~lightning_mm.strategies.checkpointing.topology`)."""
+        return checkpointing.topology(self.parallel_dims, self.sequence_parallel, self.expert_placement)
 
     @override
     def setup_environment(self) -> None:
@@ -339,7 +272,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
         # Lightning's logger (shown by default), rank 0 only: the mesh and where each axis lies.
         layout = self._dims.describe_nodes(self.num_processes)
-        rank_zero_info(f"device mesh {_describe(self.topology()['mesh'])}: {layout}")
+        rank_zero_info(f"device mesh {describe_mesh(self.topology()['mesh'])}: {layout}")
         if self.lightning_module is not None:  # as in ModelParallelStrategy: configure_model can read the mesh
             self.lightning_module._device_mesh = self._device_mesh
 
@@ -518,105 +451,28 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _pipeline_spec(self, module: nn.Module, plan: ParallelPlan) -> PipelineSpec:
         """The module's own pipeline, or the generic chain cut by ``pipeline_split`` with its ``pipeline_*`` hooks."""
-        if plan.pipeline is not None:
-            return plan.pipeline
-        if self.pipeline_split == "auto":
-            raise ValueError(
-                f"pipeline_parallel > 1 with {type(module).__name__}, which declares no pipeline "
-                "(parallel_plan()): pass pipeline_split=[FQNs of the modules that begin stages 1..], "
-                "e.g. ['net.layers.2'], and define pipeline_loss(output, target) on the module"
-            )
-        loss_fn: Callable | None = getattr(module, "pipeline_loss", None)
-        if not callable(loss_fn):
-            raise ValueError(
-                f"pipeline_parallel > 1: {type(module).__name__} must define pipeline_loss(output, "
-                "target) -> the mean loss of a microbatch (the last stage's output and the target); "
-                "the schedule computes the loss, so training_step is not called"
-            )
-        inputs = getattr(module, "pipeline_inputs", None) or _default_pipeline_inputs
-        target = getattr(module, "pipeline_target", None) or _default_pipeline_target
-        return sequential_pipeline_spec(module, self.pipeline_split, loss_fn, self._microbatches(), inputs, target)
-
-    def _pipeline_split(self, spec: PipelineSpec, num_stages: int) -> PipelineSplit:
-        if self.pipeline_split != "auto":
-            return explicit_split(spec.units, self.pipeline_split, num_stages)
-        if spec.unit_costs is None:
-            raise ValueError(
-                "pipeline_split='auto' needs the model's unit costs (PipelineSpec.unit_costs); pass the "
-                f"FQNs that begin stages 1.. instead, from {list(spec.units)}"
-            )
-        return auto_split(spec.units, spec.unit_costs(), num_stages)
+        return pipeline_spec(module, plan, self.pipeline_split, self._microbatches())
 
     def _parallelize_pipeline(self, module: nn.Module, plan: ParallelPlan, mp_policy) -> PipelineRunner:
-        """Cut the model into this rank's stage(s), then TP -> activation checkpointing -> FSDP2 per stage.
-
-        FSDP2 runs with ``reshard_after_forward=False`` inside stages (parameters stay gathered across the
-        microbatches of a step, as torchtitan does under PP). Stage modules share the model's submodules, so the
-        optimizer and checkpoints see the unsplit FQNs of this rank's layers.
-        """
-        if mp_policy is not None and mp_policy.param_dtype == torch.float16:
-            raise ValueError(
-                "pipeline_parallel > 1 with precision='16-mixed' (MeshFP16Precision) is not supported yet: the "
-                "schedule runs backward itself, without the grad scaler's loss scaling; use bf16-mixed"
-            )
-        dims = self.parallel_dims
-        if dims.tp_enabled and self.sequence_parallel:
-            raise ValueError(
-                "pipeline_parallel > 1 with sequence_parallel=True is not supported yet (the sequence-"
-                "parallel plan shards and gathers at the model's entry and exit, which a stage may not "
-                "hold); use sequence_parallel=False"
-            )
-        spec = self._pipeline_spec(module, plan)
-        num_stages = dims.pp * self.virtual_stages
-        if spec.max_stages_per_rank is not None and self.virtual_stages > spec.max_stages_per_rank:
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages}: {type(module).__name__}'s pipeline supports "
-                f"{spec.max_stages_per_rank} stage(s) per rank"
-            )
-        split = self._pipeline_split(spec, num_stages)
-        pp_mesh = dims.get_mesh("pp")
-        pp_rank = pp_mesh.get_local_rank()
-        stage_ids = stage_ids_for_rank(pp_rank, dims.pp, self.virtual_stages)
-        stage_modules = spec.build_stages(split, stage_ids)
-        if dims.tp_enabled:
-            # The plan, restricted to the modules this rank's stages still hold (patterns of pruned layers would
-            # otherwise "match nothing"). Stage boundaries carry plain tensors, replicated over tp.
-            present = [name for name, _ in module.named_modules()]
-            tp_plan = {
-                pattern: style
-                for pattern, style in self._require_tp_plan(module, plan).items()
-                if any(fnmatch.fnmatchcase(name, pattern) for name in present)
-            }
-            apply_tensor_parallel(module, dims.get_mesh("tp"), tp_plan)
-        blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
-        fsdp_mesh = self._fsdp_mesh()
-        for stage_module in stage_modules:
-            inside = {id(sub) for sub in stage_module.modules()}
-            stage_blocks = [b for b in blocks if id(b) in inside and b is not stage_module]
-            if self.activation_checkpointing:
-                apply_activation_checkpointing(stage_blocks)
-            if fsdp_mesh is not None:
-                apply_fsdp(
-                    stage_module,
-                    fsdp_mesh,
-                    mp_policy=mp_policy,
-                    reshard_after_forward=False,
-                    cpu_offload=self.cpu_offload,
-                    blocks=stage_blocks,
-                )
-        if dims.coordinates(self.global_rank)["dp"] == 0:
-            log.info(
-                "pipeline rank %d holds stage(s) %s: %s", pp_rank, stage_ids, [split.stage_units(s) for s in stage_ids]
-            )
-        return PipelineRunner(
-            spec,
-            split,
-            stage_modules,
-            stage_ids,
-            self.root_device,
-            pp_mesh.get_group(),
-            self.pipeline_schedule,
-            self._microbatches(),
+        """Cut the model into this rank's stage(s), then TP -> activation checkpointing -> FSDP2 per stage
+        (:func:`~lightning_mm.strategies.pipeline_setup.build_pipeline`)."""
+        check_pipeline_precision(mp_policy)  # (first: refused whether or not the mesh exists yet)
+        return build_pipeline(
+            module,
+            plan,
+            mp_policy,
+            dims=self.parallel_dims,
+            device=self.root_device,
+            global_rank=self.global_rank,
+            split=self.pipeline_split,
+            virtual_stages=self.virtual_stages,
+            schedule=self.pipeline_schedule,
+            microbatches=self._microbatches(),
+            sequence_parallel=self.sequence_parallel,
+            activation_checkpointing=self.activation_checkpointing,
+            cpu_offload=self.cpu_offload,
+            fsdp_mesh=self._fsdp_mesh(),
+            tp_plan=lambda: self._require_tp_plan(module, plan),
         )
 
     @property
@@ -624,62 +480,35 @@ class HybridParallelStrategy(ModelParallelStrategy):
         """Stages, schedules and timeline of this rank (None without pipeline parallelism)."""
         return self._pipeline
 
-    def _log_pipeline_values(self, stage: str, values: dict[str, torch.Tensor], batch_size: int, on_step: bool) -> None:
-        # Each value is this rank's share of the global batch's loss (as the module's own losses are), identical
-        # over the pipeline ranks; sync_dist's mean over all ranks is the global loss.
-        for name, value in values.items():
-            self.lightning_module.log(
-                f"{stage}/{name}",
-                value,
-                prog_bar=name == "loss",
-                on_step=on_step,
-                on_epoch=not on_step,
-                batch_size=batch_size,
-                sync_dist=True,
-            )
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Under pipeline parallelism the schedule runs forward + backward here and the module's ``training_step`` is
         not called; the strategy logs ``train/loss`` (and the objective's other values) with the module's ``log``."""
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
-        runner = self._pipeline
-        trainer = self.lightning_module.trainer
-        batch, batch_idx = args[0], args[1]
-        accumulate = trainer.accumulate_grad_batches
-        if batch_idx % accumulate == 0:
-            # Lightning's own zero_grad is skipped with its backward (skip_lightning_backward in on_train_start).
-            for optimizer in self.optimizers:
-                optimizer.zero_grad(set_to_none=True)
-        record_step, path = self._timeline_request
-        step_start = runner.record(
-            record_step is not None and trainer.global_step == record_step and runner.timeline is None
-        )
-        values = runner.run(
-            batch,
+        return pipeline_loop.training_step(
+            self._pipeline,
+            self.lightning_module,
+            self.optimizers,
+            args[0],
+            args[1],
             self.data_parallel_group,
-            train=True,
-            loss_divisor=accumulate,
-            context=self.precision_plugin.train_step_context,
+            self.precision_plugin.train_step_context,
+            self._timeline_request,
+            self.global_rank,
         )
-        if runner.recorder.enabled:
-            runner.collect_timeline(step_start, path, self.global_rank)
-        self._log_pipeline_values("train", values, _rows(batch), on_step=True)
-        # Lightning divides this by accumulate_grad_batches for its records, as for a module's own loss.
-        return values["loss"]
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
-        batch = args[0]
-        values = self._pipeline.run(
-            batch, self.data_parallel_group, train=False, loss_divisor=1, context=self.precision_plugin.val_step_context
+        pipeline_loop.validation_step(
+            self._pipeline,
+            self.lightning_module,
+            args[0],
+            self.data_parallel_group,
+            self.precision_plugin.val_step_context,
         )
-        # Metrics that need logits / embeddings on every rank (token accuracy, recall) are not computed under
-        # pipeline parallelism; the objective's losses are logged.
-        self._log_pipeline_values("val", values, _rows(batch), on_step=False)
         return None
 
     @override
@@ -692,7 +521,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             # is applied only when the loader is built: build it again now that the checkpoint is restored.
             self._train_loader_predates_restore = False
             rebuild_train_loader(trainer)
-        self._warn_if_resume_replays_batches(trainer)
+        checkpointing.warn_if_resume_replays_batches(trainer)
         if self._pipeline is not None:
             # The schedule has run backward inside training_step: Lightning must neither zero the gradients after it
             # (its closure's zero_grad would silently discard them) nor run its own backward.
@@ -703,45 +532,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
         super().on_train_end()
         if self._pipeline is not None:
             skip_lightning_backward(self.lightning_module.trainer, False)
-
-    def _warn_if_resume_replays_batches(self, trainer: pl.Trainer) -> None:
-        """Warn when this fit resumed from a checkpoint taken mid-epoch and nothing restores the data position.
-
-        Lightning restores the loops (steps, epoch, the batches the epoch had done), but a plain DataLoader begins
-        the epoch again with its first batch, so those batches are trained on twice. The position is restored by a
-        train loader with ``state_dict`` / ``load_state_dict`` (torchdata's ``StatefulDataLoader``: Lightning saves
-        and reloads its state) or by a DataModule that overrides ``load_state_dict`` (``ImageTextWebDataModule``
-        skips the consumed batches).
-        """
-        if trainer.ckpt_path is None:
-            return
-        epoch = trainer.fit_loop.epoch_progress.current
-        batches = trainer.fit_loop.epoch_loop.batch_progress
-        # Mid-epoch: the restored epoch had started, had drawn batches and was not finished (Lightning's fit loop
-        # counts an epoch whose last batch was done as finished, and resumes with the next one).
-        if epoch.started <= epoch.processed or batches.current.ready == 0:
-            return
-        loaders = trainer.train_dataloader
-        if isinstance(loaders, Mapping):
-            loaders = list(loaders.values())
-        elif not isinstance(loaders, (list, tuple)):
-            loaders = [loaders]
-        if loaders and all(
-            callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
-            for loader in loaders
-        ):
-            return
-        datamodule = trainer.datamodule
-        if datamodule is not None and is_overridden("load_state_dict", datamodule, pl.LightningDataModule):
-            return
-        rank_zero_warn(
-            f"Resumed from {trainer.ckpt_path}, taken in the middle of epoch {trainer.current_epoch} after "
-            f"{batches.current.ready} batch(es), but neither the train dataloader (no state_dict / load_state_dict) "
-            "nor the DataModule can restore the data position: the epoch restarts from its first batch, so batches "
-            "trained on before the checkpoint are replayed. Use a stateful loader "
-            "(torchdata.stateful_dataloader.StatefulDataLoader) or lightning-mm's ImageTextWebDataModule, which "
-            "resume the epoch where the checkpoint left it."
-        )
 
     def record_timeline(self, step: int, path: str | Path | None = None) -> None:
         """Record the start / end of every forward and backward chunk on every rank at optimizer step ``step``; rank
@@ -770,57 +560,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "HybridParallelStrategy.save_checkpoint(..., storage_options=...) is not supported: "
                 "it writes torch.distributed.checkpoint directories, not through CheckpointIO"
             )
-        path = Path(self.broadcast(filepath))
-        model_state = checkpoint.pop("state_dict")
-        optimizer_states = self._whole_param_groups(checkpoint.pop("optimizer_states", []))
-        ckpt.save_sharded(path, model_state, optimizer_states, checkpoint)
-
-    def _whole_param_groups(self, optimizer_states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Every pipeline rank's optimizer states with the ``param_groups`` of the whole model.
-
-        Under pipeline parallelism each rank's ``param_groups`` list only its stages' parameters, but DCP keeps one
-        copy of a non-tensor entry (``optimizer_0.param_groups.0.params``, ``...lr``) of all the ranks that write
-        it: the other stages' parameters would be listed in no group, and a resume would give them groups without
-        hyperparameters (``KeyError: 'betas'`` in ``AdamW.step``). So every rank writes the same groups: each one
-        lists the parameters of all stages in stage order (the model's order, which ``consolidate`` numbers by).
-        """
-        runner = self._pipeline
-        if runner is None or runner.pp_size == 1 or not optimizer_states:
-            return optimizer_states
-        first = min(runner.stage_ids)
-        stage_of: dict[int, int] = {}  # (a parameter shared between stages belongs to the first)
-        for stage, stage_module in sorted(
-            zip(runner.stage_ids, runner.stage_modules, strict=True), key=lambda pair: pair[0], reverse=True
-        ):
-            stage_of.update({id(param): stage for param in stage_module.parameters()})
-        # Optimizer states name parameters without the levels wrappers insert (activation checkpointing, compile).
-        wrappers = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
-        stage_of_fqn = {
-            ".".join(part for part in name.split(".") if part not in wrappers): stage_of.get(id(param), first)
-            for name, param in self.model.named_parameters(remove_duplicate=False)
-        }
-        local = [
-            [[(stage_of_fqn.get(fqn, first), fqn) for fqn in group["params"]] for group in state["param_groups"]]
-            for state in optimizer_states
-        ]
-        gathered: list[Any] = [None] * runner.pp_size
-        dist.all_gather_object(gathered, local, group=runner.pp_group)
-        whole = []
-        for index, state in enumerate(optimizer_states):
-            counts = {len(ranks_states[index]) for ranks_states in gathered}
-            if len(counts) != 1:
-                raise RuntimeError(
-                    f"optimizer {index} has a different number of param groups on the pipeline ranks "
-                    f"({sorted(counts)}): configure_optimizers must make the same groups on every stage (empty ones "
-                    "included) for a checkpoint to hold them"
-                )
-            groups = []
-            for number, group in enumerate(state["param_groups"]):
-                entries = [entry for ranks_states in gathered for entry in ranks_states[index][number]]
-                fqns = dict.fromkeys(fqn for _, fqn in sorted(entries, key=lambda entry: entry[0]))  # stable
-                groups.append({**group, "params": list(fqns)})
-            whole.append({**state, "param_groups": groups})
-        return whole
+        checkpointing.save_distributed(Path(self.broadcast(filepath)), checkpoint, self.model, self._pipeline)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -829,63 +569,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         :class:`~lightning_mm.checkpoint.UnsafeCheckpointError` before anything is unpickled."""
         path = Path(self.broadcast(checkpoint_path))
         ckpt.recover_checkpoint(path)  # (a save killed while publishing: its newest copy goes in place first)
-        strict = self.lightning_module.strict_loading
-        if path.is_file():
-            return self._load_full_checkpoint(path, strict, weights_only)
-        if not path.is_dir():
-            raise FileNotFoundError(f"ckpt_path {str(path)!r} is neither a sharded checkpoint directory nor a file")
-        ckpt.check_complete(path)  # an interrupted save is refused, naming the directory
-        saved = ckpt.read_topology(path, weights_only=weights_only)
-        self._check_expert_layout(saved or {}, path)
-        now = self.topology()
-        if saved and saved.get("mesh") != now["mesh"]:
-            log.info(
-                "resharding checkpoint %s: saved on %s rank(s) (%s), loading on %s rank(s) (%s)",
-                path,
-                saved.get("world_size"),
-                _describe(saved.get("mesh", {})),
-                now["world_size"],
-                _describe(now["mesh"]),
-            )
-        return ckpt.load_sharded(path, self.model, self.optimizers, strict=strict, weights_only=weights_only)
-
-    def _load_full_checkpoint(self, path: Path, strict: bool, weights_only: bool | None) -> dict[str, Any]:
-        """A one-file checkpoint (``lightning-mm consolidate`` output or a plain Trainer's): every rank reads it
-        and keeps its shards."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
+        return checkpointing.load(
+            path,
+            self.model,
+            self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+            topology=self.topology,
         )
-
-        checkpoint = ckpt.safe_load(path, f"ckpt_path {str(path)!r}", weights_only, map_location="cpu", mmap=True)
-        self._check_expert_layout(checkpoint.get(ckpt.TOPOLOGY_KEY) or {}, path)
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
-        saved_optimizers = checkpoint.pop("optimizer_states", [])
-        if not self.optimizers:  # validate / test / predict: weights only
-            saved_optimizers = []
-        elif len(saved_optimizers) != len(self.optimizers):
-            raise ValueError(
-                f"checkpoint {str(path)!r} has {len(saved_optimizers)} optimizer states, the module "
-                f"configures {len(self.optimizers)}"
-            )
-        names = {param: name for name, param in self.model.named_parameters()}
-        for optimizer, saved in zip(self.optimizers, saved_optimizers, strict=True):
-            # Index-keyed (torch's Optimizer.state_dict format) -> FQN-keyed, in this optimizer's parameter order.
-            fqns = [names[param] for group in optimizer.param_groups for param in group["params"]]
-            set_optimizer_state_dict(self.model, optimizer, ckpt.optimizer_state_by_fqn(saved, fqns), options=options)
-        return checkpoint
-
-
-def _rows(batch: Any) -> int:
-    """Samples in a batch, for Lightning's epoch averages of logged values."""
-    for attribute in ("num_samples", "num_rows"):
-        value = getattr(batch, attribute, None)
-        if isinstance(value, int):
-            return max(value, 1)
-    if isinstance(batch, torch.Tensor):
-        return max(batch.shape[0], 1)
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        return max(batch[0].shape[0], 1)
-    return 1

@@ -15,6 +15,9 @@ Per step (:meth:`PipelineRunner.run`), on every rank of the pipeline:
 3. the training schedule runs forward + backward with the objective's ``microbatch_loss``;
 4. the last stage's loss values are broadcast over the pipeline group, so every rank logs the same numbers.
 
+:func:`training_step` and :func:`validation_step` are the strategy's steps under pipeline parallelism: they run the
+runner on Lightning's batch and log the loss values with the module's ``log``.
+
 The two passes use separate ``PipelineStage`` objects over the same stage modules, so neither re-initializes the
 other's communication buffers each step (a stage switching between eval and train re-runs its shape inference).
 The forward-only pass runs breadth first (GPipe / LoopedBFS) whatever the training schedule: without backward,
@@ -27,6 +30,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +40,7 @@ from torch import nn
 from lightning_mm.parallel.pipeline import PipelineSplit, TimelineRecorder, build_schedule, idle_fraction, plot_timeline
 from lightning_mm.parallel.protocol import PipelineSpec
 
-__all__ = ["PipelineRunner"]
+__all__ = ["PipelineRunner", "training_step", "validation_step"]
 
 
 class PipelineRunner:
@@ -198,3 +202,83 @@ def _stages_of(schedule: Any) -> list[Any]:
 
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+# ----------------------------------------------------------------------------------------------- Lightning's steps
+
+
+def training_step(
+    runner: PipelineRunner,
+    module: Any,
+    optimizers: Sequence[torch.optim.Optimizer],
+    batch: Any,
+    batch_idx: int,
+    group: dist.ProcessGroup | None,
+    context: Callable[[], AbstractContextManager],
+    timeline_request: tuple[int | None, str | Path | None],
+    rank: int,
+) -> torch.Tensor:
+    """The strategy's ``training_step`` under pipeline parallelism: the schedule runs forward + backward over ``batch``
+    (the module's ``training_step`` is not called) and ``train/loss`` (and the objective's other values) are logged
+    with ``module.log``. ``group``: the data-parallel group the objective normalises over; ``context``: the precision
+    plugin's ``train_step_context``; ``timeline_request``: ``(optimizer step, PNG path)`` of
+    ``HybridParallelStrategy.record_timeline``."""
+    trainer = module.trainer
+    accumulate = trainer.accumulate_grad_batches
+    if batch_idx % accumulate == 0:
+        # Lightning's own zero_grad is skipped with its backward (skip_lightning_backward in on_train_start).
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+    record_step, path = timeline_request
+    step_start = runner.record(
+        record_step is not None and trainer.global_step == record_step and runner.timeline is None
+    )
+    values = runner.run(batch, group, train=True, loss_divisor=accumulate, context=context)
+    if runner.recorder.enabled:
+        runner.collect_timeline(step_start, path, rank)
+    _log_values(module, "train", values, _rows(batch), on_step=True)
+    # Lightning divides this by accumulate_grad_batches for its records, as for a module's own loss.
+    return values["loss"]
+
+
+def validation_step(
+    runner: PipelineRunner,
+    module: Any,
+    batch: Any,
+    group: dist.ProcessGroup | None,
+    context: Callable[[], AbstractContextManager],
+) -> None:
+    """The strategy's ``validation_step`` under pipeline parallelism: the forward-only pass over ``batch``, its loss
+    values logged as ``val/...`` epoch averages (``context``: the precision plugin's ``val_step_context``)."""
+    values = runner.run(batch, group, train=False, loss_divisor=1, context=context)
+    # Metrics that need logits / embeddings on every rank (token accuracy, recall) are not computed under
+    # pipeline parallelism; the objective's losses are logged.
+    _log_values(module, "val", values, _rows(batch), on_step=False)
+
+
+def _log_values(module: Any, stage: str, values: dict[str, torch.Tensor], batch_size: int, on_step: bool) -> None:
+    # Each value is this rank's share of the global batch's loss (as the module's own losses are), identical
+    # over the pipeline ranks; sync_dist's mean over all ranks is the global loss.
+    for name, value in values.items():
+        module.log(
+            f"{stage}/{name}",
+            value,
+            prog_bar=name == "loss",
+            on_step=on_step,
+            on_epoch=not on_step,
+            batch_size=batch_size,
+            sync_dist=True,
+        )
+
+
+def _rows(batch: Any) -> int:
+    """Samples in a batch, for Lightning's epoch averages of logged values."""
+    for attribute in ("num_samples", "num_rows"):
+        value = getattr(batch, attribute, None)
+        if isinstance(value, int):
+            return max(value, 1)
+    if isinstance(batch, torch.Tensor):
+        return max(batch.shape[0], 1)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return max(batch[0].shape[0], 1)
+    return 1

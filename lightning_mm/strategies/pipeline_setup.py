@@ -1,0 +1,186 @@
+"""The pipeline stages of this rank, cut and parallelised for :class:`~lightning_mm.strategies.HybridParallelStrategy`.
+
+The pipeline-parallel branch of the strategy's parallelize recipe (the torchtitan order, per stage):
+
+1. the module's pipeline (``parallel_plan().pipeline``), or for any other module the generic chain cut by
+   ``pipeline_split`` with the module's ``pipeline_*`` hooks (:func:`pipeline_spec`);
+2. the split into stages: the FQNs the user names, or balanced by the model's unit costs (:func:`pipeline_split`);
+3. this rank's stage modules, then tensor parallel -> activation checkpointing -> FSDP2 on each, and the
+   :class:`~lightning_mm.strategies.pipeline_loop.PipelineRunner` that trains them (:func:`build_pipeline`).
+
+Plain functions over what the strategy passes them; the strategy keeps the arguments and the mesh.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_mm.parallel.dims import ParallelDims
+from lightning_mm.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, transformer_blocks
+from lightning_mm.parallel.pipeline import (
+    PipelineSplit,
+    auto_split,
+    explicit_split,
+    sequential_pipeline_spec,
+    stage_ids_for_rank,
+)
+from lightning_mm.parallel.plans import apply_tensor_parallel
+from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
+from lightning_mm.strategies.pipeline_loop import PipelineRunner
+
+__all__ = ["build_pipeline", "check_pipeline_precision", "pipeline_spec", "pipeline_split"]
+
+# (the strategy's logger: the stage layout is reported under the name it always had)
+log = logging.getLogger("lightning_mm.strategies.hybrid")
+
+
+def _default_pipeline_inputs(batch: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return (batch[0],)
+    raise TypeError(
+        f"cannot tell the pipeline's stage-0 inputs from a batch of type {type(batch).__name__}; define "
+        "pipeline_inputs(batch) -> tuple of tensors on the LightningModule"
+    )
+
+
+def _default_pipeline_target(batch: Any) -> Any:
+    if isinstance(batch, (tuple, list)) and len(batch) > 1:
+        return batch[1]
+    raise TypeError(
+        f"cannot tell the pipeline's target from a batch of type {type(batch).__name__}; define "
+        "pipeline_target(batch) on the LightningModule"
+    )
+
+
+def pipeline_spec(
+    module: nn.Module, plan: ParallelPlan, split: Literal["auto"] | list[str], microbatches: int
+) -> PipelineSpec:
+    """The module's own pipeline, or the generic chain cut by ``split`` (the strategy's ``pipeline_split``) with its
+    ``pipeline_*`` hooks."""
+    if plan.pipeline is not None:
+        return plan.pipeline
+    if split == "auto":
+        raise ValueError(
+            f"pipeline_parallel > 1 with {type(module).__name__}, which declares no pipeline "
+            "(parallel_plan()): pass pipeline_split=[FQNs of the modules that begin stages 1..], "
+            "e.g. ['net.layers.2'], and define pipeline_loss(output, target) on the module"
+        )
+    loss_fn: Callable | None = getattr(module, "pipeline_loss", None)
+    if not callable(loss_fn):
+        raise ValueError(
+            f"pipeline_parallel > 1: {type(module).__name__} must define pipeline_loss(output, "
+            "target) -> the mean loss of a microbatch (the last stage's output and the target); "
+            "the schedule computes the loss, so training_step is not called"
+        )
+    inputs = getattr(module, "pipeline_inputs", None) or _default_pipeline_inputs
+    target = getattr(module, "pipeline_target", None) or _default_pipeline_target
+    return sequential_pipeline_spec(module, split, loss_fn, microbatches, inputs, target)
+
+
+def pipeline_split(spec: PipelineSpec, split: Literal["auto"] | list[str], num_stages: int) -> PipelineSplit:
+    """The stages' units: those beginning at the FQNs in ``split``, or for ``"auto"`` balanced by the model's unit
+    costs."""
+    if split != "auto":
+        return explicit_split(spec.units, split, num_stages)
+    if spec.unit_costs is None:
+        raise ValueError(
+            "pipeline_split='auto' needs the model's unit costs (PipelineSpec.unit_costs); pass the "
+            f"FQNs that begin stages 1.. instead, from {list(spec.units)}"
+        )
+    return auto_split(spec.units, spec.unit_costs(), num_stages)
+
+
+def check_pipeline_precision(mp_policy: Any) -> None:
+    """Refuse the precisions the schedules cannot train with (before anything asks for the mesh)."""
+    if mp_policy is not None and mp_policy.param_dtype == torch.float16:
+        raise ValueError(
+            "pipeline_parallel > 1 with precision='16-mixed' (MeshFP16Precision) is not supported yet: the "
+            "schedule runs backward itself, without the grad scaler's loss scaling; use bf16-mixed"
+        )
+
+
+def build_pipeline(
+    module: nn.Module,
+    plan: ParallelPlan,
+    mp_policy: Any,
+    *,
+    dims: ParallelDims,
+    device: torch.device,
+    global_rank: int,
+    split: Literal["auto"] | list[str],
+    virtual_stages: int,
+    schedule: str,
+    microbatches: int,
+    sequence_parallel: bool,
+    activation_checkpointing: bool,
+    cpu_offload: bool,
+    fsdp_mesh: DeviceMesh | None,
+    tp_plan: Callable[[], Mapping[str, str]],
+) -> PipelineRunner:
+    """Cut ``module`` into this rank's stage(s), then TP -> activation checkpointing -> FSDP2 per stage.
+
+    ``mp_policy`` is one :func:`check_pipeline_precision` accepted; ``tp_plan()`` gives the module's tensor-parallel
+    plan (asked for only with ``dims.tp > 1``, once the stages are cut, so the errors keep their order);
+    ``fsdp_mesh`` is the mesh the stages shard over (None: no data-parallel wrapping).
+
+    FSDP2 runs with ``reshard_after_forward=False`` inside stages (parameters stay gathered across the
+    microbatches of a step, as torchtitan does under PP). Stage modules share the model's submodules, so the
+    optimizer and checkpoints see the unsplit FQNs of this rank's layers.
+    """
+    if dims.tp_enabled and sequence_parallel:
+        raise ValueError(
+            "pipeline_parallel > 1 with sequence_parallel=True is not supported yet (the sequence-"
+            "parallel plan shards and gathers at the model's entry and exit, which a stage may not "
+            "hold); use sequence_parallel=False"
+        )
+    spec = pipeline_spec(module, plan, split, microbatches)
+    num_stages = dims.pp * virtual_stages
+    if spec.max_stages_per_rank is not None and virtual_stages > spec.max_stages_per_rank:
+        raise ValueError(
+            f"virtual_stages={virtual_stages}: {type(module).__name__}'s pipeline supports "
+            f"{spec.max_stages_per_rank} stage(s) per rank"
+        )
+    stages = pipeline_split(spec, split, num_stages)
+    pp_mesh = dims.get_mesh("pp")
+    pp_rank = pp_mesh.get_local_rank()
+    stage_ids = stage_ids_for_rank(pp_rank, dims.pp, virtual_stages)
+    stage_modules = spec.build_stages(stages, stage_ids)
+    if dims.tp_enabled:
+        # The plan, restricted to the modules this rank's stages still hold (patterns of pruned layers would
+        # otherwise "match nothing"). Stage boundaries carry plain tensors, replicated over tp.
+        present = [name for name, _ in module.named_modules()]
+        kept = {
+            pattern: style
+            for pattern, style in tp_plan().items()
+            if any(fnmatch.fnmatchcase(name, pattern) for name in present)
+        }
+        apply_tensor_parallel(module, dims.get_mesh("tp"), kept)
+    blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
+    for stage_module in stage_modules:
+        inside = {id(sub) for sub in stage_module.modules()}
+        stage_blocks = [b for b in blocks if id(b) in inside and b is not stage_module]
+        if activation_checkpointing:
+            apply_activation_checkpointing(stage_blocks)
+        if fsdp_mesh is not None:
+            apply_fsdp(
+                stage_module,
+                fsdp_mesh,
+                mp_policy=mp_policy,
+                reshard_after_forward=False,
+                cpu_offload=cpu_offload,
+                blocks=stage_blocks,
+            )
+    if dims.coordinates(global_rank)["dp"] == 0:
+        log.info(
+            "pipeline rank %d holds stage(s) %s: %s", pp_rank, stage_ids, [stages.stage_units(s) for s in stage_ids]
+        )
+    return PipelineRunner(spec, stages, stage_modules, stage_ids, device, pp_mesh.get_group(), schedule, microbatches)
