@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
+from lightning_mm.parallel.collectives import all_reduce_sum
 
 __all__ = [
     "EmbeddedDataset",
@@ -21,6 +23,7 @@ __all__ = [
     "data_parallel_rank_and_size",
     "expand_urls",
     "load_manifest",
+    "sum_over_data_parallel",
 ]
 
 
@@ -89,6 +92,21 @@ def data_parallel_rank_and_size(trainer: Any) -> tuple[int, int]:
     if hasattr(strategy, "data_parallel_rank") and hasattr(strategy, "data_parallel_size"):
         return strategy.data_parallel_rank, strategy.data_parallel_size
     return trainer.global_rank, trainer.world_size
+
+
+def sum_over_data_parallel(trainer: Any, counts: list[int]) -> list[int]:
+    """``counts`` summed over this process's data-parallel group (the strategy's, else the world), so every rank
+    decides alike on them."""
+    # Without a Trainer this process planned the whole split for itself (data-parallel size 1), even when a
+    # process group exists (e.g. rank 0 of a benchmark building held-out batches): its counts are the total, and
+    # a collective would wait for ranks that are not iterating.
+    if trainer is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return list(counts)
+    strategy = trainer.strategy
+    # None on a mesh with one data-parallel rank (e.g. pure tensor / pipeline parallel): nothing to sum.
+    group = getattr(strategy, "data_parallel_group", torch.distributed.group.WORLD)
+    device = getattr(strategy, "root_device", torch.device("cpu"))
+    return [int(c) for c in all_reduce_sum(torch.tensor(counts, device=device), group)]
 
 
 class EpochAwareLoader(DataLoader):

@@ -9,20 +9,13 @@ streaming:
    image sizes (header only) and captions (``decode.index_shard``), under the shared bad-input policy.
    Patch counts follow from the image sizes (``patch_grid``), token counts from the tokenizer, so the
    cost of every sample is known before any pixel is decoded.
-2. **Plan** (per epoch, identical on every rank): shuffle all samples with ``(seed, epoch)``, regroup
-   them with the ``regroup`` stages on their lengths only (``none``: fixed ``batch_size``; ``bucket``;
-   ``pack``), then deal the global batches round-robin to the data-parallel ranks: rank ``r`` gets
-   batches ``r, r + W, r + 2W, ...``. The last ``len % W`` global batches are dropped so every rank has
-   the same number of steps; together with what regrouping leaves over (the last, short batch), that
-   is the documented remainder, counted in the plan and printed each epoch (``carry_remainder=True``
-   plans the short batch again at the start of the next epoch instead of dropping it). Every other
-   sample is used exactly once per epoch, which ``sample_ids`` make checkable. With ``balance=True``
-   the dealing instead evens the compute cost (``regroup.batch_cost``) of the batches the ranks take at
-   each step.
-3. **Load** (in DataLoader workers): worker ``w`` of a rank loads the rank's planned batches
-   ``w, w + workers, ...`` by seeking into the shards, decodes, patchifies, tokenizes and collates
-   them. PyTorch's DataLoader returns worker outputs round-robin, so the batch order is the plan's
-   order for any ``num_workers``.
+2. **Plan** (per epoch, identical on every rank; ``epoch_schedule.py``): shuffle all samples with ``(seed, epoch)``,
+   regroup them on their lengths only (``regroup``), deal the global batches to the data-parallel ranks (round-robin,
+   or evening the compute cost with ``balance=True``) so that every rank has the same number of steps. The remainder
+   (the batches left out by the dealing, the last short batch) is counted in the plan and printed each epoch; every
+   other sample is used exactly once per epoch, which ``sample_ids`` make checkable.
+3. **Load** (in DataLoader workers; ``planned_split.py``): each worker seeks the samples of its share of the rank's
+   planned batches in the shards, decodes, patchifies, tokenizes and collates them, in the plan's order.
 
 Resume: the DataModule counts the training batches handed to the model (``on_before_batch_transfer``)
 and saves ``(epoch, batches consumed by this rank, global batches consumed)`` in Lightning checkpoints
@@ -41,70 +34,47 @@ Remote URLs (``pipe:``, ``http://``, ``s3://``) are not supported: planning need
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import logging
-import math
-import random
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
-import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
-from lightning_mm.batch import IGNORE_INDEX, PAD_SEGMENT, MultimodalBatch
+from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.common import (
     EpochAwareLoader,
     ResumableEpochAwareLoader,
     data_parallel_rank_and_size,
     expand_urls,
     load_manifest,
+    sum_over_data_parallel,
 )
+from lightning_mm.datamodules.cost_model import cost_coefficients
 from lightning_mm.datamodules.decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ERROR_KINDS,
     IMAGE_KEYS,
     TEXT_KEYS,
-    BadSampleError,
     ErrorLog,
     SampleRecord,
     ShardIndex,
     account_damaged_shards,
     check_image_pixels,
-    load_rgb_image,
-    read_sample_files,
     scan_shard,
 )
+from lightning_mm.datamodules.epoch_schedule import EpochPlan, SplitConfig, _budget_from_ratio, deal_batches
 from lightning_mm.datamodules.filters import FILTER_KINDS, QualityFilters, describe_counts
-from lightning_mm.datamodules.regroup import (
-    CostCoefficients,
-    balance_samples,
-    balanced_rounds,
-    batch_cost,
-    bucket_batches,
-    collate_packed,
-    flop_coefficients,
-    max_over_mean,
-    pack_rows,
-    partition_rows,
-)
-from lightning_mm.datamodules.stages import (
-    PatchedSample,
-    TextTokenizer,
-    collate_one_per_row,
-    patch_grid,
-    patchify,
-)
-from lightning_mm.parallel.collectives import all_reduce_sum
+from lightning_mm.datamodules.planned_split import _all_padding, _PlannedSplit  # noqa: F401 (_all_padding: re-export)
+from lightning_mm.datamodules.stages import TextTokenizer, patch_grid
 from lightning_mm.validation import require_int
 
+# EpochPlan and deal_batches live in epoch_schedule.py, _PlannedSplit and _all_padding in planned_split.py; they are
+# importable from here as before.
 __all__ = ["ImageTextWebDataModule", "EpochPlan", "deal_batches"]
-
 log = logging.getLogger(__name__)
 
 
@@ -115,500 +85,6 @@ def _print(message: str) -> None:
 
 
 Regroup = Literal["none", "bucket", "pack"]
-
-
-@dataclasses.dataclass
-class EpochPlan:
-    """The batches of one epoch for one data-parallel rank, as indices into the split's records."""
-
-    batches: list[list[list[int]]]
-    """``batches[i][row]`` = record indices of row ``row`` of batch ``i`` (one sample per row unless packing)."""
-    max_segments_per_row: int
-    """Most samples in any row of the *global* plan (constant shapes for packed batches)."""
-    planned_samples: int
-    """Samples planned for the epoch before regrouping: the split's, plus ``carried_in``."""
-    used_samples: int
-    """Samples in the batches of all data-parallel ranks."""
-    step_balance: list[float] = dataclasses.field(default_factory=list)
-    """``step_balance[i]``: max / mean over the data-parallel ranks of the cost (``balance_cost``) of their batch ``i``
-    (the same on every rank; 1.0 is perfect balance); nan for the steps a resumed run skips (consumed before)."""
-    short_batch_samples: int = 0
-    """Samples regrouping left out: the last, short batch a training epoch does not yield (constant shapes)."""
-    carried_in: int = 0
-    """Samples of the previous epoch's short batch planned again in this one (``carry_remainder=True``)."""
-    carried_out: int = 0
-    """Samples of this epoch's short batch carried into the next epoch (``carry_remainder=True``): not dropped."""
-    patch_caps: dict[int, int] = dataclasses.field(default_factory=dict)
-    """Record index -> patch cap per image, for the samples a step curriculum plans under a cap other than the
-    epoch's (``curriculum_unit="step"``); every other sample is patchified under the epoch's cap."""
-
-    @property
-    def dropped_samples(self) -> int:
-        """Samples planned and not used this epoch, not counting those carried into the next one."""
-        return self.planned_samples - self.used_samples - self.carried_out
-
-    @property
-    def dealt_out_samples(self) -> int:
-        """Samples of the batches that would not give every data-parallel rank a step (``epoch_policy="drop"``)."""
-        return self.planned_samples - self.used_samples - self.short_batch_samples
-
-
-def _cap_at(schedule: dict[int, int], position: int, default: int) -> int:
-    """The cap of the schedule's last entry starting at or before ``position`` (an epoch or a step), else
-    ``default``."""
-    cap = default
-    for start, value in sorted(schedule.items()):
-        if position >= start:
-            cap = value
-    return cap
-
-
-def _stand_in(index: int, num_patches: int, num_tokens: int) -> PatchedSample:
-    """A sample with the right lengths and no data, for planning (the regroup stages read only lengths)."""
-    return PatchedSample(index, torch.empty(num_patches, 0), torch.empty(num_patches, 2), torch.empty(num_tokens))
-
-
-class _BatchCosts:
-    """Cost (:func:`~lightning_mm.datamodules.regroup.batch_cost`) of planned batches of record indices."""
-
-    def __init__(self, lengths: list[tuple[int, int]], coefficients: CostCoefficients, cfg: dict[str, Any]) -> None:
-        self.lengths, self.coefficients = lengths, coefficients
-        # Packed batches are padded to the row budgets; one-sample-per-row batches to their widest row.
-        packed = cfg["regroup"] == "pack"
-        self.widths = (cfg["max_patches_per_row"], cfg["max_tokens_per_row"]) if packed else (None, None)
-
-    def __call__(self, batch: list[list[int]]) -> float:
-        return batch_cost([[self.lengths[i] for i in row] for row in batch], self.coefficients, *self.widths)
-
-    def row(self, row: list[int]) -> float:
-        """One row's share (the batch terms aside): additive over the rows of a batch of fixed row width."""
-        return self([row]) - self.coefficients.batch
-
-
-Batch = list[list[int]]
-"""A planned batch: ``batch[row]`` = record indices of the row."""
-
-
-def deal_batches(
-    batches: list[Batch],
-    lengths: list[tuple[int, int]],
-    config: dict[str, Any],
-    coefficients: CostCoefficients,
-    world: int,
-    epoch: int = 0,
-    done: int = 0,
-    saved_world: int | None = None,
-) -> tuple[list[list[Batch]], int, list[float]]:
-    """Deal an epoch's global batches to ``world`` data-parallel ranks, after the ``done`` a checkpoint consumed.
-
-    ``config``: the DataModule's ``regroup_config()`` (``regroup``, ``epoch_policy``, ``seed``, the row budgets,
-    ``balance``); ``lengths[i]``: ``(patches, tokens)`` of record ``i``; ``saved_world``: the data-parallel ranks of
-    the checkpoint (None: ``world``). Round-robin: rank ``r`` takes ``batches[done:][r::world]``; the last
-    ``len % world`` are left out (``drop``) or the last round is short (``pad``). ``balance``: see
-    :func:`_balanced_rounds`.
-
-    Returns:
-        ``rounds`` (``rounds[k][r]``: rank ``r``'s batch of this run's step ``k``; a ``pad`` round may be short: the
-        ranks past its end take an empty batch), the samples the epoch uses (consumed ones included), and the max /
-        mean batch cost over the ``world`` ranks of every round.
-    """
-    costs = _BatchCosts(lengths, coefficients, config)
-    if config.get("balance"):
-        rounds, used = _deal_balanced(batches, done, saved_world or world, world, config, epoch, costs)
-    else:
-        rest = batches[done:]
-        usable = len(rest) - len(rest) % world if config["epoch_policy"] == "drop" else len(rest)
-        rounds = [rest[start : min(start + world, usable)] for start in range(0, usable, world)]
-        used = sum(len(row) for batch in batches[: done + usable] for row in batch)
-    empty = costs([])
-    balance = [max_over_mean([costs(b) for b in members] + [empty] * (world - len(members))) for members in rounds]
-    return rounds, used, balance
-
-
-def _deal_balanced(
-    batches: list[Batch],
-    done: int,
-    saved_world: int,
-    world: int,
-    config: dict[str, Any],
-    epoch: int,
-    costs: _BatchCosts,
-) -> tuple[list[list[Batch]], int]:
-    """The rounds of this run with ``balance=True``, and the samples used by the epoch.
-
-    The dealing depends on the number of ranks, so the ``done`` global batches a checkpoint consumed are the first
-    rounds of the dealing *to the checkpoint's* ``saved_world`` ranks; the base batches those rounds did not take are
-    dealt anew to this run's ranks (a resume on as many ranks continues the same dealing).
-    """
-    if done % saved_world:
-        raise ValueError(
-            f"resuming a balanced epoch: {done} global batches consumed is not a whole number of steps of "
-            f"{saved_world} data-parallel ranks"
-        )
-    consumed: list[int] = []
-    rounds = None
-    if done or saved_world == world:
-        saved = _balanced_rounds(list(range(len(batches))), batches, saved_world, config, epoch, 0, costs)
-        consumed = [i for base, _ in saved[: done // saved_world] for i in base]
-        if saved_world == world:  # the same dealing, continued
-            rounds = saved[done // saved_world :]
-    if rounds is None:
-        taken = set(consumed)
-        remaining = [i for i in range(len(batches)) if i not in taken]
-        rounds = _balanced_rounds(remaining, batches, world, config, epoch, done, costs)
-    used = sum(len(row) for i in consumed + [i for base, _ in rounds for i in base] for row in batches[i])
-    return [dealt for _, dealt in rounds], used
-
-
-def _balanced_rounds(
-    indices: list[int],
-    batches: list[Batch],
-    world: int,
-    config: dict[str, Any],
-    epoch: int,
-    done: int,
-    costs: _BatchCosts,
-) -> list[tuple[list[int], list[Batch]]]:
-    """Deal the base batches ``indices`` (in plan order) to ``world`` ranks: ``(base batches, dealt batches)`` of every
-    round, in step order.
-
-    As round-robin, the last ``len % world`` base batches are left out (``drop``) or make a last short round
-    (``pad``). Packed batches (constant shapes) and fixed-size batches keep the round-robin rounds (the samples of
-    every step are those of round-robin, in the same order) and re-deal their rows between the round's batches
-    (:func:`~lightning_mm.datamodules.regroup.partition_rows`, the same row count per batch); bucket batches
-    (variable shapes) are grouped into rounds of similar cost
-    (:func:`~lightning_mm.datamodules.regroup.balanced_rounds`, rounds shuffled with ``(seed, epoch)``), then
-    samples move between the round's batches within the budgets
-    (:func:`~lightning_mm.datamodules.regroup.balance_samples`).
-    """
-    full = len(indices) - len(indices) % world
-    tail = indices[full:] if config["epoch_policy"] == "pad" else []
-    if config["regroup"] == "bucket":
-        rng = random.Random(f"{config['seed']}-{epoch}-balance-{world}-{done}")
-        rounds = []
-        for group in balanced_rounds([costs(batches[i]) for i in indices[:full]], world, rng):
-            base = [indices[k] for k in group]
-            dealt = balance_samples(
-                [[costs.lengths[row[0]] for row in batches[i]] for i in base],
-                costs.coefficients,
-                config["max_patches_per_batch"],
-                config["max_tokens_per_batch"],
-            )
-            rounds.append((base, [[batches[base[k]][j] for k, j in batch] for batch in dealt]))
-    else:
-        rounds = []
-        for start in range(0, full, world):
-            group = indices[start : start + world]
-            rows = [row for i in group for row in batches[i]]
-            parts = partition_rows([costs.row(row) for row in rows], [len(batches[i]) for i in group])
-            rounds.append((group, [[rows[k] for k in part] for part in parts]))
-    if tail:
-        rounds.append((tail, [batches[i] for i in tail]))
-    return rounds
-
-
-class _PlannedSplit(IterableDataset):
-    """Plans and loads one split for one data-parallel rank (see the module docstring)."""
-
-    def __init__(
-        self,
-        records: list[SampleRecord],
-        lengths: list[tuple[int, int]],
-        owner: ImageTextWebDataModule,
-        shuffle: bool,
-        rank: int,
-        world: int,
-    ) -> None:
-        self.records, self.lengths = records, lengths
-        self.tokenizer = owner.tokenizer
-        self.config = owner.regroup_config()
-        self.shuffle, self.rank, self.world = shuffle, rank, world
-        self.on_error = owner.hparams.on_error
-        self.max_image_pixels = owner.hparams.max_image_pixels
-        self.epoch, self.skip = 0, 0
-        self.resumed_global: int | None = None
-        self.resumed_world: int | None = None
-        self.cost = owner.cost_coefficients
-        self.start_step, self.plan_world = 0, None
-        self._plans: dict[tuple[int, int | None, int | None, int, int | None], EpochPlan] = {}
-        self._short: dict[int, list[int]] = {}  # epoch -> record indices of its short batch (carry_remainder)
-        self._lengths_by_cap: dict[int, list[tuple[int, int]]] = {self.config["max_patches_per_image"]: lengths}
-
-    # ----------------------------------------------------------------------------------- planning
-
-    def set_epoch(
-        self,
-        epoch: int,
-        skip: int = 0,
-        resumed_global: int | None = None,
-        resumed_world: int | None = None,
-        start_step: int = 0,
-        plan_world: int | None = None,
-    ) -> None:
-        """``skip``: this rank's batches of the epoch consumed before a checkpoint (Lightning's count, restored with
-        its loops); ``resumed_global``: the *global* batches consumed by then, by however many ranks;
-        ``resumed_world``: that many data-parallel ranks (the balanced dealing depends on it; None: this run's);
-        ``start_step``: training steps (batches per data-parallel rank) before the epoch, and ``plan_world``: the
-        data-parallel size the epoch was first planned with (None: this run's), for a step curriculum."""
-        self.epoch, self.skip, self.resumed_global, self.resumed_world = epoch, skip, resumed_global, resumed_world
-        self.start_step, self.plan_world = start_step, plan_world
-
-    def plan(self, epoch: int) -> EpochPlan:
-        resumed = self.resumed_global if epoch == self.epoch else None
-        key = (epoch, resumed, self.resumed_world if resumed is not None else None, self.start_step, self.plan_world)
-        if key not in self._plans:
-            self._plans = {key: self._make_plan(*key)}  # keep one: plans of big datasets are big
-        return self._plans[key]
-
-    @property
-    def step_curriculum(self) -> dict[int, int]:
-        """``{start_step: cap}`` with ``curriculum_unit="step"``, else empty."""
-        return self.config.get("curriculum", {}) if self.config.get("curriculum_unit") == "step" else {}
-
-    def max_patches_per_image(self, epoch: int) -> int:
-        """The patch cap of ``epoch``: the curriculum's last entry starting at or before it (``curriculum_unit=
-        "epoch"``), else the DataModule's."""
-        if self.step_curriculum:
-            return self.config["max_patches_per_image"]
-        return _cap_at(self.config.get("curriculum", {}), epoch, self.config["max_patches_per_image"])
-
-    def lengths_under(self, cap: int) -> list[tuple[int, int]]:
-        """``(patches, tokens)`` of every record under a patch cap per image (indexing computed them for the full
-        cap; the image sizes in the records give the rest). Kept per cap: a curriculum has a few."""
-        if cap not in self._lengths_by_cap:
-            patch = self.config["patch_size"]
-            self._lengths_by_cap[cap] = [
-                (math.prod(patch_grid(r.height, r.width, patch, cap)) if r.image_key is not None else 0, tokens)
-                for r, (_, tokens) in zip(self.records, self.lengths, strict=True)
-            ]
-        return self._lengths_by_cap[cap]
-
-    def carried_into(self, epoch: int) -> list[int]:
-        """Record indices of the previous epoch's short batch, planned again in ``epoch`` (``carry_remainder``).
-
-        A function of ``(seed, epoch)`` like the plans: epoch ``e`` carries what the global batch list of ``e - 1``
-        (itself carrying ``e - 2``'s, ...) left out, so a resume replans the chain (lengths only; kept per epoch).
-        The dealing remainder is not carried: it depends on the number of ranks (``epoch_policy="pad"`` keeps it).
-        """
-        if not self.config.get("carry_remainder") or epoch <= 0:
-            return []
-        for previous in range(epoch):
-            if previous not in self._short:
-                self._global_batches(previous)
-        return self._short[epoch - 1]
-
-    def _global_batches(
-        self, epoch: int, start_step: int = 0, plan_world: int = 1
-    ) -> tuple[list[Batch], list[int], list[int], list[tuple[int, int]], dict[int, int]]:
-        """The epoch's global batch list, the record indices regrouping left out (the last, short batch; empty when it
-        is kept), the record indices carried in from the previous epoch, ``(patches, tokens)`` of every record as
-        planned, and the record indices a step curriculum planned under a cap other than the epoch's, with it.
-
-        The list does not depend on the number of ranks, except under a step curriculum: there global batch ``b``
-        is trained at step ``start_step + b // plan_world`` (round-robin), and a sample takes the schedule's cap of
-        the step the regrouping has reached when the sample enters its buffer (so the switch to a new cap spreads
-        over about one buffer's worth of batches). A resume replans with the checkpoint's ``plan_world``.
-        """
-        cfg = self.config
-        order = list(range(len(self.records)))
-        # String seeds hash with SHA-512 in random.Random: the same plan in every process.
-        rng = random.Random(f"{cfg['seed']}-{epoch}-plan")
-        if self.shuffle:
-            rng.shuffle(order)
-        carried = self.carried_into(epoch)
-        if carried:
-            # First in the stream, so they are planned early; this epoch's own occurrences of the same samples move
-            # to its end, so the two are not packed into one batch (a caption's duplicate is a false negative).
-            again = set(carried)
-            order = carried + [i for i in order if i not in again] + [i for i in order if i in again]
-        full_cap = self.max_patches_per_image(epoch)
-        lengths = self.lengths_under(full_cap)
-        schedule, caps, emitted = self.step_curriculum, {}, [0]  # emitted[0]: global batches regrouped so far
-
-        def step_cap(batch_index: int) -> int:
-            return _cap_at(schedule, start_step + batch_index // plan_world, full_cap)
-
-        def stand_ins() -> Iterator[PatchedSample]:
-            for i in order:
-                cap = step_cap(emitted[0]) if schedule else full_cap
-                if cap != full_cap:
-                    caps[i] = cap
-                yield _stand_in(i, *self.lengths_under(cap)[i])
-
-        def counted(batches: Iterator[Any]) -> Iterator[Any]:
-            for batch in batches:
-                yield batch
-                emitted[0] += 1
-
-        samples = stand_ins()
-        # Validation keeps the last, short batch (every pair scored); training keeps shapes and sizes.
-        partial = cfg.get("partial_last_batch", False)
-        short: list[int] = []
-        if cfg["regroup"] == "none":
-            size = cfg["batch_size"]
-            batches = [[[i] for i in order[s : s + size]] for s in range(0, len(order), size)]
-            if not partial and batches and len(batches[-1]) < size:
-                short = [row[0] for row in batches.pop()]
-            if schedule:  # (fixed-size batches: the caps do not change the batching)
-                by_batch = [step_cap(b) for b in range(len(batches))]
-                caps = {
-                    i: cap for cap, batch in zip(by_batch, batches, strict=True) for [i] in batch if cap != full_cap
-                }
-        elif cfg["regroup"] == "bucket":
-            batches = [
-                [[s.sample_id] for s in batch]
-                for batch in counted(
-                    bucket_batches(
-                        samples, cfg["max_patches_per_batch"], cfg["max_tokens_per_batch"], cfg["buffer_size"], rng
-                    )
-                )
-            ]
-        else:
-            batches = [
-                [[s.sample_id for s in row] for row in batch]
-                for batch in counted(
-                    pack_rows(
-                        samples,
-                        cfg["max_patches_per_row"],
-                        cfg["max_tokens_per_row"],
-                        cfg["rows_per_batch"],
-                        cfg["buffer_size"],
-                        rng,
-                        partial=True,  # the last, short batch is yielded: it is either kept or its samples counted
-                        fit=cfg["pack_fit"],
-                    )
-                )
-            ]
-            if not partial and batches and len(batches[-1]) < cfg["rows_per_batch"]:
-                short = [i for row in batches.pop() for i in row]
-        if cfg.get("carry_remainder"):
-            self._short[epoch] = short
-        if caps:
-            lengths = list(lengths)
-            for i, cap in caps.items():
-                lengths[i] = self.lengths_under(cap)[i]
-        return batches, short, carried, lengths, caps
-
-    def _make_plan(
-        self,
-        epoch: int,
-        resumed_global: int | None = None,
-        resumed_world: int | None = None,
-        start_step: int = 0,
-        plan_world: int | None = None,
-    ) -> EpochPlan:
-        cfg = self.config
-        # (a step curriculum plans with the data-parallel size the epoch started with: a resume replans the same)
-        batches, short, carried, lengths, caps = self._global_batches(epoch, start_step, plan_world or self.world)
-        segments = max((len(row) for batch in batches for row in batch), default=1)
-        # The global batch list does not depend on the number of ranks; only the dealing does. A resumed epoch deals
-        # what the checkpoint had not consumed (global batches `done:`) to the ranks of *this* run, so a checkpoint
-        # of W ranks resumes on W' with every sample of the epoch used once (with W' = W: the original dealing).
-        done = min(resumed_global, len(batches)) if resumed_global is not None else 0
-        rounds, used, balance = deal_batches(
-            batches, lengths, cfg, self.cost, self.world, epoch, done, resumed_world if done else None
-        )
-        mine = [members[self.rank] if self.rank < len(members) else [] for members in rounds]
-        # Positions of the batches this rank consumed before the checkpoint (skipped, never loaded): Lightning counts
-        # them as done, so the epoch's length is theirs plus what is left.
-        skipped = self.skip if resumed_global is not None else 0
-        mine = [[] for _ in range(skipped)] + mine
-        return EpochPlan(
-            mine,
-            segments,
-            len(self.records) + len(carried),
-            used,
-            [math.nan] * skipped + balance,
-            short_batch_samples=len(short),
-            carried_in=len(carried),
-            carried_out=len(short) if cfg.get("carry_remainder") else 0,
-            patch_caps=caps,
-        )
-
-    def __len__(self) -> int:
-        # The whole epoch, also when resuming: Lightning restores how many batches it has consumed and
-        # counts the skipped ones as done; a shorter length would also cut the *next* epoch short.
-        return len(self.plan(self.epoch).batches)
-
-    # ----------------------------------------------------------------------------------- loading
-
-    def __iter__(self) -> Iterator[MultimodalBatch]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        plan = self.plan(self.epoch)
-        errors = ErrorLog(self.on_error)
-        for position in range(self.skip + worker, len(plan.batches), workers):
-            batch = self._load(plan.batches[position], plan.max_segments_per_row, errors, plan.patch_caps)
-            # Counts travel with the batch to the main process (read in on_before_batch_transfer).
-            batch.data_errors = {kind: count for kind, count in errors.counts.items() if count}
-            batch.data_error_examples = dict(errors.examples)
-            batch.data_error_shards, errors.by_shard = errors.by_shard, {}
-            batch.step_balance = plan.step_balance[position]
-            errors.counts = dict.fromkeys(errors.counts, 0)
-            yield batch
-
-    def _load_sample(self, index: int, errors: ErrorLog, cap: int) -> PatchedSample | None:
-        """One sample, or None when it is bad: every per-sample failure is a counted skip naming the shard and the
-        key (under ``on_error="skip"``), never an exception that ends the split."""
-        record = self.records[index]
-        try:
-            return self._decode_sample(index, record, errors, cap)
-        except (BadSampleError, MemoryError):  # (on_error="raise"; memory is the process's problem, not the sample's)
-            raise
-        except Exception as err:
-            # OSError: the shard changed since it was indexed (read_sample_files names what it expected); anything
-            # else a decoder, patchify or the tokenizer raises for this sample's content.
-            kind = "sample_unreadable" if isinstance(err, OSError) else "sample_failed"
-            errors.error(kind, record.url, record.key, f"{type(err).__name__}: {str(err)[:300]}")
-            return None
-
-    def _decode_sample(self, index: int, record: SampleRecord, errors: ErrorLog, cap: int) -> PatchedSample | None:
-        cfg = self.config
-        files = read_sample_files(record)
-        if record.image_key is None:
-            patches, positions = torch.zeros(0, 3 * cfg["patch_size"] ** 2), torch.zeros(0, 2, dtype=torch.long)
-        else:
-            image = load_rgb_image(files[record.image_key], record.url, record.key, errors, self.max_image_pixels)
-            if image is None:  # corrupt body behind a valid header: skipped and counted
-                return None
-            patches, positions = patchify(image, cfg["patch_size"], cap)
-        try:
-            tokens = self.tokenizer.encode(record.caption, cfg["max_text_tokens"])
-        except Exception as err:  # (indexing tokenized it already; a tokenizer may still refuse it here)
-            errors.error("caption_untokenizable", record.url, record.key, f"{type(err).__name__}: {str(err)[:300]}")
-            return None
-        return PatchedSample(index, patches, positions, tokens)
-
-    def _load(self, rows: list[list[int]], segments: int, errors: ErrorLog, caps: dict[int, int]) -> MultimodalBatch:
-        """Load and collate one planned batch; no rows (an ``epoch_policy="pad"`` filler) gives an empty batch.
-        ``caps``: :attr:`EpochPlan.patch_caps`."""
-        cfg = self.config
-        cap = self.max_patches_per_image(self.epoch)
-        loaded = [
-            [s for s in (self._load_sample(i, errors, caps.get(i, cap)) for i in row) if s is not None] for row in rows
-        ]
-        loaded = [row for row in loaded if row]
-        if cfg["regroup"] == "pack":
-            if not loaded:
-                return _all_padding(
-                    cfg["rows_per_batch"],
-                    cfg["max_patches_per_row"],
-                    cfg["max_tokens_per_row"],
-                    segments,
-                    cfg["patch_size"],
-                    self.tokenizer.pad_id,
-                )
-            return collate_packed(
-                loaded,
-                cfg["max_patches_per_row"],
-                cfg["max_tokens_per_row"],
-                self.tokenizer.pad_id,
-                max_segments_per_row=segments,
-                rows_per_batch=cfg["rows_per_batch"],
-            )
-        if not loaded:
-            return _all_padding(1, 1, 2, 1, cfg["patch_size"], self.tokenizer.pad_id)
-        return collate_one_per_row([row[0] for row in loaded], self.tokenizer.pad_id)
 
 
 def _fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -638,53 +114,6 @@ def _fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str
             what = " (another tokenizer)" if "tokenizer" in changed else ""
             reasons.append(f"decode settings changed: {changed}{what}")
     return reasons
-
-
-def _all_padding(rows: int, patches: int, tokens: int, segments: int, patch_size: int, pad_id: int) -> MultimodalBatch:
-    """A batch with no sample: an ``epoch_policy="pad"`` filler, or a planned batch whose samples all turned
-    out corrupt. Every rank still takes its step (same collectives); its losses and gradients are zero."""
-    return MultimodalBatch(
-        patches=torch.zeros(rows, patches, 3 * patch_size**2),
-        patch_pos=torch.zeros(rows, patches, 2, dtype=torch.long),
-        patch_segment=torch.full((rows, patches), PAD_SEGMENT, dtype=torch.long),
-        tokens=torch.full((rows, tokens), pad_id, dtype=torch.long),
-        token_segment=torch.full((rows, tokens), PAD_SEGMENT, dtype=torch.long),
-        labels=torch.full((rows, tokens), IGNORE_INDEX, dtype=torch.long),
-        sample_ids=torch.full((rows, segments), -1, dtype=torch.long),
-        has_image=torch.zeros(rows, segments, dtype=torch.bool),
-    )
-
-
-def _budget_from_ratio(given: int, wanted_total: int, given_total: int, rows: int, largest: int) -> int | None:
-    """An ``"auto"`` budget: ``given`` times the data's ratio ``wanted_total / given_total``, rounded up to whole
-    ``rows`` and to at least ``largest`` per row; None when ``given_total`` is 0 (no ratio to follow)."""
-    if given_total == 0:
-        return None
-    per_row = max(math.ceil(given * wanted_total / given_total / rows), largest)
-    return per_row * rows
-
-
-def _cost_coefficients(spec: str | dict[str, Any], patch_size: int) -> CostCoefficients:
-    """``balance_cost`` -> coefficients; errors name the argument."""
-    spec = {"preset": spec} if isinstance(spec, str) else spec
-    if not isinstance(spec, dict):
-        raise ValueError(f"balance_cost must be a preset name or a dict, got {spec!r}")
-    if "preset" not in spec:
-        try:
-            return CostCoefficients.from_dict(spec)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"balance_cost: {error}") from None
-    from lightning_mm.models.vlm.model import PRESETS, build_config  # (the data side needs only the widths)
-
-    extra = sorted(set(spec) - {"preset", "attention"})
-    if extra or spec["preset"] not in PRESETS:
-        raise ValueError(
-            f"balance_cost: preset must be one of {sorted(PRESETS)} (with at most 'attention'), got {spec!r}"
-        )
-    try:
-        return flop_coefficients(build_config(spec["preset"], patch_size=patch_size), spec.get("attention", "segment"))
-    except ValueError as error:
-        raise ValueError(f"balance_cost: {error}") from None
 
 
 class ImageTextWebDataModule(L.LightningDataModule):
@@ -885,7 +314,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.patch_size = patch_size
         self.max_patches_per_image = max_patches_per_image
-        self.cost_coefficients = _cost_coefficients(balance_cost, patch_size)
+        self.cost_coefficients = cost_coefficients(balance_cost, patch_size)
         """Cost model of the data-parallel balance (``balance_cost``)."""
         self.last_step_balance: float | None = None
         """max / mean batch cost over the data-parallel ranks of the training step being run (``PaddingStats``)."""
@@ -1102,7 +531,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         """
         rank = self._global_rank()
         if collective:
-            skipped, total = self._sum_over_data_parallel(skipped, total)
+            skipped, total = sum_over_data_parallel(self.trainer, [skipped, total])
         if rank == 0:
             # With `collective`, the headline counts every data-parallel rank, the kinds below this one.
             _print(self.error_log.summary(what, total, since, skipped, since_shards, kept))
@@ -1113,19 +542,6 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 f"{ {k: c for k, c in self.error_log.counts.items() if c} }. Fix the data, or raise "
                 "max_skipped_fraction to accept training on less data"
             )
-
-    def _sum_over_data_parallel(self, skipped: int, total: int) -> tuple[int, int]:
-        # Without a Trainer this process planned the whole split for itself (data-parallel size 1), even when a
-        # process group exists (e.g. rank 0 of a benchmark building held-out batches): its counts are the total, and
-        # a collective would wait for ranks that are not iterating.
-        if self.trainer is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return skipped, total
-        strategy = self.trainer.strategy
-        # None on a mesh with one data-parallel rank (e.g. pure tensor / pipeline parallel): nothing to sum.
-        group = getattr(strategy, "data_parallel_group", torch.distributed.group.WORLD)
-        device = getattr(strategy, "root_device", torch.device("cpu"))
-        counts = all_reduce_sum(torch.tensor([skipped, total], device=device), group)
-        return int(counts[0]), int(counts[1])
 
     def _count_batch(self, split: str, batch: MultimodalBatch) -> None:
         """Each fetched batch (main process): its workers' error counts and examples, its samples."""
@@ -1152,29 +568,10 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._report(
             what, skipped, record["loaded"] + skipped, since, collective=True, since_shards=record["since_shards"]
         )
-        plan = dataset.plan(dataset.epoch)
-        rank = self._global_rank()
-        if split == "train" and rank == 0:
+        if split == "train" and self._global_rank() == 0:
             # Not a skip (nothing wrong with these samples), but data the epoch did not train on: say it.
-            epoch = dataset.epoch
-            carried = f" ({plan.carried_in} carried in from epoch {epoch - 1})" if plan.carried_in else ""
-            short = (
-                f"carried into epoch {epoch + 1} (carry_remainder=True)"
-                if dataset.config.get("carry_remainder")
-                else "dropped; carry_remainder=True carries them into the next epoch"
-            )
-            _print(
-                f"  left out by this epoch's plan: {plan.dropped_samples + plan.carried_out} of "
-                f"{plan.planned_samples} samples{carried}: {plan.short_batch_samples} in the last short batch "
-                f"({short}), {plan.dealt_out_samples} in the batches that would not give every data-parallel rank a "
-                "step (epoch_policy='pad' keeps them)"
-            )
-            steps = [b for b in plan.step_balance if not math.isnan(b)]
-            if steps:  # (this run's steps; max / mean batch cost over the data-parallel ranks, per step)
-                _print(
-                    f"  data-parallel balance (balance={self.hparams.balance}): batch cost max / mean over ranks "
-                    f"{sum(steps) / len(steps):.3f} averaged over {len(steps)} steps, worst step {max(steps):.3f}"
-                )
+            for line in dataset.schedule.describe_left_out(dataset.epoch):
+                _print(line)
 
     def _global_rank(self) -> int:
         return self.trainer.global_rank if self.trainer is not None else 0
@@ -1248,21 +645,22 @@ class ImageTextWebDataModule(L.LightningDataModule):
     def _loader(self, split: str, shuffle: bool, epoch_fn) -> EpochAwareLoader:
         records, lengths = self._index(split)
         rank, world = self._data_parallel_rank_and_size()
-        dataset = _PlannedSplit(records, lengths, self, shuffle, rank, world)
+        hp = self.hparams
+        config = SplitConfig.from_settings(
+            self.regroup_config(),
+            cost=self.cost_coefficients,
+            on_error=hp.on_error,
+            max_image_pixels=hp.max_image_pixels,
+        )
+        if split == "val":  # (every pair scored once, at full resolution)
+            config = config.for_validation(hp.val_batch_size if hp.regroup == "none" else None)
+        dataset = _PlannedSplit(records, lengths, self.tokenizer, config, shuffle, rank, world)
         if split == "train":
             # Lightning asks the loader's length before iterating it (and, unless it reloads the loader every epoch,
             # only once): the length must be that of the epoch the loader is made for, and a resumed epoch dealt to
             # another number of ranks has another one (the consumed batches plus this run's share of the rest).
             dataset.set_epoch(*self._train_position())
             self._check_epoch_lengths(len(dataset), dataset.skip)
-        if split == "val":
-            dataset.config = {**dataset.config, "epoch_policy": "pad", "partial_last_batch": True}
-            dataset.config.pop("curriculum", None)  # validation is always scored at full resolution
-            dataset.config.pop("curriculum_unit", None)
-            dataset.config.pop("balance", None)  # (round-robin: each pair scored once either way)
-            dataset.config.pop("carry_remainder", None)  # (nothing is left out: the last short batch is kept)
-            if self.hparams.regroup == "none" and self.hparams.val_batch_size:
-                dataset.config["batch_size"] = self.hparams.val_batch_size
         if len(dataset.plan(dataset.epoch).batches) == 0:
             raise ValueError(
                 f"{split}: {len(records)} samples give no batch for each of {world} data-parallel "
@@ -1278,7 +676,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 self._check_resumed_length(len(dataset))
                 if self.hparams.curriculum and self._global_rank() == 0 and epoch != self._curriculum_printed:
                     self._curriculum_printed = epoch  # (Lightning may start a pass's iterator twice)
-                    _print(self._describe_curriculum(dataset, epoch))
+                    _print(dataset.schedule.describe_curriculum(epoch))
             return state
 
         hooks = {
@@ -1311,20 +709,6 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 "epoch's last batches would be skipped. Resume on as many ranks, use HybridParallelStrategy "
                 "(it rebuilds the loader after the restore), or train by max_steps"
             )
-
-    def _describe_curriculum(self, dataset: _PlannedSplit, epoch: int) -> str:
-        """The curriculum line printed at the start of a training epoch."""
-        if not dataset.step_curriculum:
-            return (
-                f"data (train, epoch {epoch}): curriculum: max_patches_per_image {dataset.max_patches_per_image(epoch)}"
-            )
-        plan = dataset.plan(epoch)
-        counts = Counter(plan.patch_caps.get(i, self.max_patches_per_image) for b in plan.batches for r in b for i in r)
-        return (
-            f"data (train, epoch {epoch}): curriculum by step: this rank's {len(plan.batches)} batches (steps "
-            f"{dataset.start_step}-{dataset.start_step + len(plan.batches) - 1}) hold "
-            + ", ".join(f"{counts[cap]} samples under max_patches_per_image {cap}" for cap in sorted(counts))
-        )
 
     def _train_position(self) -> tuple[int, int, int | None, int | None, int, int | None]:
         """``dataset.set_epoch`` arguments of the training epoch now: the epoch, this rank's batches consumed before a

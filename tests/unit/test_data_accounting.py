@@ -299,7 +299,7 @@ def test_failures_while_loading_are_counted_skips_not_a_crash(tmp_path, monkeypa
             raise RuntimeError("a decoder bug")
         return original(data, url, key, errors, max_image_pixels)
 
-    monkeypatch.setattr("lightning_mm.datamodules.web.load_rgb_image", flaky)
+    monkeypatch.setattr("lightning_mm.datamodules.planned_split.load_rgb_image", flaky)
     dm.tokenizer.tokenizer = _Refusing(dm.tokenizer.tokenizer)
     dm._splits["train"][0][5] = dataclasses_replace(dm._splits["train"][0][5], caption="refuse me")
     batches = list(dm.train_dataloader())  # (each would have ended the split before)
@@ -310,7 +310,7 @@ def test_failures_while_loading_are_counted_skips_not_a_crash(tmp_path, monkeypa
     assert dm.error_log.by_shard[url] == {"sample_failed": 4, "caption_untokenizable": 1}
     # a shard that changed since it was indexed: its samples are counted as unreadable
     Path(url).write_bytes(Path(url).read_bytes()[:2048])
-    monkeypatch.setattr("lightning_mm.datamodules.web.load_rgb_image", original)
+    monkeypatch.setattr("lightning_mm.datamodules.planned_split.load_rgb_image", original)
     dm.error_log.counts = dict.fromkeys(dm.error_log.counts, 0)
     with pytest.raises(ValueError, match=r"data \(train, epoch 0\): 3\d of \d+ samples"):
         list(dm.train_dataloader())

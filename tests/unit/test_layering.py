@@ -93,6 +93,20 @@ def test_models_and_parallel_reach_no_strategy(package):
     assert _glue_reached(graph, package) == {}
 
 
+def test_datamodules_reach_no_model():
+    """The data layer knows no model: no module under ``datamodules/`` reaches ``models/`` through any chain of
+    imports (lazy ones inside functions included). The balance's cost model takes the reference model's widths from
+    ``datamodules/cost_model.py``, checked against the model's presets in ``tests/unit/test_cost_model.py``."""
+    graph = _package_imports()
+    reached = {
+        module: sorted(m for m in _reachable(graph, module) if m.startswith("lightning_mm.models"))
+        for module in graph
+        if module.startswith("lightning_mm.datamodules")
+    }
+    assert "lightning_mm.datamodules.web" in reached
+    assert {module: models for module, models in reached.items() if models} == {}
+
+
 def test_a_chain_into_the_glue_is_found():
     graph = {
         "lightning_mm.models.a": {"lightning_mm.datamodules.b"},

@@ -359,7 +359,7 @@ def test_step_curriculum_keeps_the_planning_size_over_resumes(shards):
 def _global_caps(shards, settings, plan_world: int) -> dict[int, int]:
     dm = _dm(shards, **settings)
     _batches(dm, 0, 1)
-    return dm.train_dataloader().dataset._global_batches(0, 0, plan_world)[4]
+    return dm.train_dataloader().dataset.schedule._global_batches(0, 0, plan_world)[4]
 
 
 def test_fixed_size_batches_resumed_on_other_ranks_need_reloading(shards):
@@ -757,7 +757,7 @@ def test_carry_remainder_resumes_mid_epoch_on_another_number_of_ranks(shards, be
     settings.update(seed=4, carry_remainder=True)  # (epoch 0 leaves a short batch with this seed)
     whole = _dm(shards, **settings)
     epoch_ids = Counter(_ids(_batches(whole, 0, 1, epoch=1)))  # one rank: every global batch of epoch 1
-    carried = whole.train_dataloader().dataset.carried_into(1)
+    carried = whole.train_dataloader().dataset.schedule.carried_into(1)
     assert carried and all(epoch_ids[i] >= 1 for i in carried)
     consumed = max(1, len(_batches(_dm(shards, **settings), 0, 1, epoch=1)) // (2 * before))
     seen = []
