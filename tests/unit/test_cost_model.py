@@ -35,6 +35,7 @@ def test_fields_and_errors_name_the_argument():
         ({"preset": "tiny", "layers": 3}, "balance_cost: preset must be one of"),
         ({"patch": -1.0}, "balance_cost: cost coefficient patch must be"),
         ({"flops": 1.0}, r"balance_cost: unknown cost coefficient\(s\) \['flops'\]"),
+        ({"preset": "tiny", "attention": "dense"}, "balance_cost: attention must be 'segment' or 'row', got 'dense'"),
         (3, "balance_cost must be a preset name or a dict"),
     ):
         with pytest.raises(ValueError, match=match):
