@@ -125,7 +125,9 @@ class LightningMMCLI(LightningCLI):
             super().parse_arguments(parser, args)
         subparser, config = self._subcommand_parser_and_config(parser)
         classes = {}
-        for key in ("model", "data"):
+        for key, subclass_mode in (("model", self.subclass_mode_model), ("data", self.subclass_mode_data)):
+            if not subclass_mode:  # a given class: nothing to choose
+                continue
             default, value = _class_path(subparser.get_default(key)), _class_path(config.get(key))
             if default and value and value != default:
                 classes[key] = value
