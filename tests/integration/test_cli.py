@@ -124,6 +124,16 @@ def test_hf_llama_config_parses_with_the_hf_model_and_only_its_links(tmp_path):
     assert cli.model.hparams.weight_decay == 0.0
 
 
+def test_print_config_shows_the_named_model_with_its_own_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # main() would set it in this process
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(HF_LLAMA), "--print_config"])
+    assert exit_info.value.code == 0
+    model = capsys.readouterr().out.split("\nmodel:\n", 1)[1].split("\ndata:\n", 1)[0]
+    assert "class_path: lightning_mm.models.hf.HFCausalLMModule" in model
+    assert "weight_decay: 0.0" in model and "preset" not in model  # nothing of VLMModule's
+
+
 def test_fit_a_users_own_module_by_class_path(tmp_path, monkeypatch):
     """`lightning-mm fit --model=package.Class` with a module that takes nothing from the data: it trains on the
     default DataModule, gets nothing linked (its checkpoint loads), and starts from its own defaults."""
