@@ -1,4 +1,5 @@
-"""The command line: every shipped config parses through LightningCLI; `fit` runs end to end."""
+"""The command line: every shipped config parses through LightningCLI; `fit` runs end to end, with the default
+classes and with a user's own LightningModule / DataModule by class path."""
 
 from __future__ import annotations
 
@@ -7,18 +8,49 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_mm.checkpoint import read_topology
-from lightning_mm.cli import VLMLightningCLI, configure_wandb_mode, main
+from lightning_mm.cli import LightningMMCLI, configure_wandb_mode, main
 from lightning_mm.datamodules import ImageTextWebDataModule, SimpleImageTextDataModule
 from lightning_mm.models import VLMModule
 from lightning_mm.testing.wandb_offline import find_offline_runs, metric_series, read_offline_history
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
+HF_LLAMA = REPO / "examples/hf/hf_llama.yaml"
+
+
+class UserModule(L.LightningModule):
+    """A user's own module: no `vocab_size` / `patch_size` parameter; a loss over the default DataModule's tokens."""
+
+    def __init__(self, learning_rate: float = 0.5, width: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(1, width)
+
+    def training_step(self, batch, batch_idx):
+        x = batch.tokens.float().mean(dim=1, keepdim=True) / 100  # (R, 1)
+        loss = self.layer(x).pow(2).mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.learning_rate)
+
+
+class VocabModule(UserModule):
+    """A user's module that needs the tokenizer's vocabulary."""
+
+    def __init__(self, vocab_size: int, learning_rate: float = 0.5) -> None:
+        super().__init__(learning_rate)
+
+
+class NoVocabData(L.LightningDataModule):
+    """A user's DataModule without a tokenizer."""
 
 
 def _run_fit(
@@ -51,15 +83,12 @@ def test_configs_exist():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_parses_and_instantiates(config, tmp_path):
-    import lightning as L
     import yaml
 
     raw = yaml.safe_load(config.read_text())
-    # The tiny synthetic dataset stands in for the default one (same code path, seconds not minutes).
-    cli = VLMLightningCLI(
-        VLMModule,
-        L.LightningDataModule,
-        subclass_mode_data=True,
+    # The CLI of `lightning-mm` (its default classes: the configs name no model class). The tiny synthetic dataset
+    # stands in for the default one (same code path, seconds not minutes).
+    cli = LightningMMCLI(
         run=False,
         args=[
             "--config",
@@ -71,6 +100,8 @@ def test_every_config_parses_and_instantiates(config, tmp_path):
     assert isinstance(cli.model, VLMModule)
     assert isinstance(cli.datamodule, (SimpleImageTextDataModule, ImageTextWebDataModule))
     assert cli.datamodule.hparams.get("regroup", "none") == raw["data"]["init_args"].get("regroup", "none")
+    # the named DataModule starts from its own defaults, not from the default class's (ImageTextWebDataModule's 32)
+    assert cli.datamodule.hparams.batch_size == raw["data"]["init_args"].get("batch_size", 32)
     assert cli.model.hparams.preset == raw["model"]["preset"]
     assert cli.trainer.max_steps == raw["trainer"]["max_steps"]
     # Linked from the data: the model's tables match the tokenizer and the patching.
@@ -78,6 +109,68 @@ def test_every_config_parses_and_instantiates(config, tmp_path):
     assert cli.model.config.patch_size == raw["data"]["init_args"]["patch_size"]
     assert cli.model.config.max_patches_per_image == raw["data"]["init_args"]["max_patches_per_image"]
     assert isinstance(cli.trainer.logger, WandbLogger)
+
+
+def test_hf_llama_config_parses_with_the_hf_model_and_only_its_links(tmp_path):
+    from lightning_mm.models.hf import HFCausalLMModule
+
+    cli = LightningMMCLI(
+        run=False, args=["--config", str(HF_LLAMA), "--trainer.devices=1", f"--trainer.default_root_dir={tmp_path}"]
+    )
+    assert isinstance(cli.model, HFCausalLMModule)
+    assert cli.model.hparams.vocab_size == cli.datamodule.vocab_size  # linked: the only name the model takes
+    assert "patch_size" not in cli.model.hparams and "max_patches_per_image" not in cli.model.hparams
+    # HFCausalLMModule's own default, not VLMModule's 0.05 (jsonargparse would carry it over from the default class)
+    assert cli.model.hparams.weight_decay == 0.0
+
+
+def test_print_config_shows_the_named_model_with_its_own_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # main() would set it in this process
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(HF_LLAMA), "--print_config"])
+    assert exit_info.value.code == 0
+    model = capsys.readouterr().out.split("\nmodel:\n", 1)[1].split("\ndata:\n", 1)[0]
+    assert "class_path: lightning_mm.models.hf.HFCausalLMModule" in model
+    assert "weight_decay: 0.0" in model and "preset" not in model  # nothing of VLMModule's
+
+
+def test_fit_a_users_own_module_by_class_path(tmp_path, monkeypatch):
+    """`lightning-mm fit --model=package.Class` with a module that takes nothing from the data: it trains on the
+    default DataModule, gets nothing linked (its checkpoint loads), and starts from its own defaults."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    main(
+        [
+            "fit",
+            f"--model={__name__}.UserModule",
+            "--data.synthetic_preset=tiny",
+            "--data.regroup=none",
+            "--data.batch_size=4",
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=1",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=0",
+            "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    (checkpoint,) = tmp_path.glob("checkpoints/*.ckpt")
+    assert checkpoint.name == "epoch=0-step=2.ckpt"
+    hparams = torch.load(checkpoint, weights_only=False)["hyper_parameters"]
+    assert hparams["learning_rate"] == 0.5 and not {"vocab_size", "patch_size"} & set(hparams)
+    assert UserModule.load_from_checkpoint(checkpoint).hparams.width == 4
+
+
+def test_a_datamodule_without_what_the_model_takes_is_an_error_naming_both(tmp_path):
+    args = [f"--model={__name__}.VocabModule", f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(ValueError, match=r"NoVocabData has no `vocab_size`, which model .*VocabModule takes"):
+        LightningMMCLI(run=False, args=[*args, f"--data={__name__}.NoVocabData"])
+    with pytest.raises(ValueError, match=r"VocabModule takes `vocab_size` from the DataModule, but no DataModule"):
+        LightningMMCLI(run=False, args=[*args, "--data=null"])
+    # the same module with a DataModule that has a tokenizer: linked
+    cli = LightningMMCLI(run=False, args=[*args, "--data.synthetic_preset=tiny"])
+    assert cli.model.hparams.vocab_size == cli.datamodule.vocab_size
 
 
 def test_wandb_is_offline_without_api_key(tmp_path):

@@ -1,8 +1,9 @@
 """The Hugging Face examples run end to end, as a user runs them (real processes, W&B offline).
 
-``examples/hf/cli.py fit --config examples/hf/hf_llama.yaml`` on 2 pipeline stages logs finite training and
-validation losses to W&B and writes a complete sharded checkpoint; ``examples/hf/train_llama.py`` under tensor
-parallel on 2 processes trains and exports a directory that ``AutoModelForCausalLM.from_pretrained`` loads.
+``lightning-mm fit --config examples/hf/hf_llama.yaml`` (the installed console script) on one process and on 2
+pipeline stages logs finite training (and validation) losses to W&B and writes a complete sharded checkpoint;
+``examples/hf/train_llama.py`` under tensor parallel on 2 processes trains and exports a directory that
+``AutoModelForCausalLM.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ STEPS = 3
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, *command: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, *args],
+        list(command),
         cwd=tmp_path,
         env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)},
         capture_output=True,
@@ -37,27 +38,36 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def test_cli_yaml_trains_on_two_pipeline_stages_and_logs_finite_losses(tmp_path):
-    _run(
+def _fit_hf_llama(tmp_path: Path, *overrides: str) -> tuple[list[float], list[float]]:
+    """``lightning-mm fit --config examples/hf/hf_llama.yaml`` in ``tmp_path`` (the YAML's paths are relative):
+    the W&B train and val losses, each finite and near the log(vocab) of an untrained model, not zero or diverged."""
+    console_script = Path(sys.executable).with_name("lightning-mm")  # what `pip install` put next to python
+    _run(tmp_path, str(console_script), "fit", "--config", str(REPO / "examples/hf/hf_llama.yaml"), *overrides)
+    (run,) = find_offline_runs(tmp_path / "runs/hf_llama")
+    history = read_offline_history(run)
+    train, val = metric_series(history, "train/loss"), metric_series(history, "val/loss")
+    assert all(math.isfinite(loss) and 1.0 < loss < 10.0 for loss in train + val), (train, val)
+    assert (tmp_path / "runs/hf_llama/checkpoints/last.ckpt/COMPLETE").is_file()
+    return train, val
+
+
+def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_one_process(tmp_path):
+    train, val = _fit_hf_llama(
+        tmp_path, "--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"
+    )
+    assert len(train) == 2 and not val
+    assert (tmp_path / "runs/hf_llama/config.yaml").read_text().count("HFCausalLMModule") == 1
+
+
+def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_two_pipeline_stages(tmp_path):
+    train, val = _fit_hf_llama(
         tmp_path,
-        str(REPO / "examples/hf/cli.py"),
-        "fit",
-        "--config",
-        str(REPO / "examples/hf/hf_llama.yaml"),
         f"--trainer.max_steps={STEPS}",
         f"--trainer.val_check_interval={STEPS}",
         "--trainer.devices=2",
         "--trainer.strategy.init_args.pipeline_parallel=2",
     )
-    (run,) = find_offline_runs(tmp_path / "runs/hf_llama")
-    history = read_offline_history(run)
-    train = metric_series(history, "train/loss")
-    val = metric_series(history, "val/loss")
     assert len(train) == STEPS and len(val) == 1
-    losses = train + val
-    # finite, and near the log(vocab) of an untrained model rather than zero or diverged
-    assert all(math.isfinite(loss) and 1.0 < loss < 10.0 for loss in losses), losses
-    assert (tmp_path / "runs/hf_llama/checkpoints/last.ckpt/COMPLETE").is_file()
 
 
 def test_train_llama_script_trains_with_tensor_parallel_and_exports(tmp_path):
@@ -65,7 +75,9 @@ def test_train_llama_script_trains_with_tensor_parallel_and_exports(tmp_path):
 
     out = tmp_path / "out"
     script = str(REPO / "examples/hf/train_llama.py")
-    result = _run(tmp_path, script, "--devices=2", "--tensor-parallel=2", "--max-steps=2", f"--out={out}")
+    result = _run(
+        tmp_path, sys.executable, script, "--devices=2", "--tensor-parallel=2", "--max-steps=2", f"--out={out}"
+    )
     losses = [float(x) for x in re.findall(r"rank \d: train/loss (\S+)", result.stdout)]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), result.stdout
     model = AutoModelForCausalLM.from_pretrained(out / "hf")
