@@ -138,7 +138,9 @@ class LightningMMCLI(LightningCLI):
             takes = self._model_takes
         if classes or takes != self._model_takes:
             self._classes, self._model_takes = classes, takes
-            self.setup_parser("subcommand" in self.config, *self._setup_parser_kwargs(self.parser_kwargs))
+            from lightning_mm.strategies._compat import rebuild_cli_parser
+
+            rebuild_cli_parser(self)
         elif not printing:
             return
         super().parse_arguments(self.parser, args)
@@ -147,7 +149,9 @@ class LightningMMCLI(LightningCLI):
         """The parser and parsed config of the subcommand (``fit``, ...), or the given ones without subcommands."""
         subcommand = self.config.get("subcommand")
         if subcommand:
-            return self._subcommand_parsers[subcommand], self.config[subcommand]
+            from lightning_mm.strategies._compat import cli_subcommand_parser
+
+            return cli_subcommand_parser(self, subcommand), self.config[subcommand]
         return parser, self.config
 
     @override

@@ -3,15 +3,19 @@ moves them breaks here, with a clear import error, and nowhere else."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol as is_local_file_protocol
 from lightning.fabric.utilities.init import _materialize_distributed_module as materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 
 __all__ = [
+    "cli_subcommand_parser",
     "is_local_file_protocol",
     "materialize_distributed_module",
     "optimizers_to_device",
+    "rebuild_cli_parser",
     "rebuild_train_loader",
     "skip_lightning_backward",
     "train_loader_built",
@@ -46,3 +50,14 @@ def rebuild_train_loader(trainer: pl.Trainer) -> None:
         loop._data_fetcher.teardown()  # (the early iterator: a plain DataLoader's may have started workers)
     loop._combined_loader = None
     loop.setup_data()
+
+
+def cli_subcommand_parser(cli: Any, subcommand: str) -> Any:
+    """The jsonargparse parser of a ``LightningCLI`` subcommand (``fit``, ...), which LightningCLI keeps private."""
+    return cli._subcommand_parsers[subcommand]
+
+
+def rebuild_cli_parser(cli: Any) -> None:
+    """Build a ``LightningCLI``'s parser again as its ``__init__`` did (after ``add_arguments_to_parser`` has new
+    defaults and links to add): ``setup_parser`` is public, the arguments it was called with are not."""
+    cli.setup_parser("subcommand" in cli.config, *cli._setup_parser_kwargs(cli.parser_kwargs))
