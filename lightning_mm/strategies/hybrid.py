@@ -471,7 +471,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             sequence_parallel=self.sequence_parallel,
             activation_checkpointing=self.activation_checkpointing,
             cpu_offload=self.cpu_offload,
-            fsdp_mesh=self._fsdp_mesh(),
+            fsdp_mesh=self._fsdp_mesh,
             tp_plan=lambda: self._require_tp_plan(module, plan),
         )
 

@@ -123,14 +123,15 @@ def build_pipeline(
     sequence_parallel: bool,
     activation_checkpointing: bool,
     cpu_offload: bool,
-    fsdp_mesh: DeviceMesh | None,
+    fsdp_mesh: Callable[[], DeviceMesh | None],
     tp_plan: Callable[[], Mapping[str, str]],
 ) -> PipelineRunner:
     """Cut ``module`` into this rank's stage(s), then TP -> activation checkpointing -> FSDP2 per stage.
 
     ``mp_policy`` is one :func:`check_pipeline_precision` accepted; ``tp_plan()`` gives the module's tensor-parallel
     plan (asked for only with ``dims.tp > 1``, once the stages are cut, so the errors keep their order);
-    ``fsdp_mesh`` is the mesh the stages shard over (None: no data-parallel wrapping).
+    ``fsdp_mesh()`` gives the mesh the stages shard over (None: no data-parallel wrapping), asked for once the checks
+    have passed and tensor parallelism is applied (a refused configuration builds no mesh).
 
     FSDP2 runs with ``reshard_after_forward=False`` inside stages (parameters stay gathered across the
     microbatches of a step, as torchtitan does under PP). Stage modules share the model's submodules, so the
@@ -165,15 +166,16 @@ def build_pipeline(
         }
         apply_tensor_parallel(module, dims.get_mesh("tp"), kept)
     blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
+    shard_mesh = fsdp_mesh()
     for stage_module in stage_modules:
         inside = {id(sub) for sub in stage_module.modules()}
         stage_blocks = [b for b in blocks if id(b) in inside and b is not stage_module]
         if activation_checkpointing:
             apply_activation_checkpointing(stage_blocks)
-        if fsdp_mesh is not None:
+        if shard_mesh is not None:
             apply_fsdp(
                 stage_module,
-                fsdp_mesh,
+                shard_mesh,
                 mp_policy=mp_policy,
                 reshard_after_forward=False,
                 cpu_offload=cpu_offload,

@@ -30,13 +30,18 @@ interpreters that were never forked.
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import io
+import logging
 import os
+import pickle
 import queue
 import random
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -99,11 +104,7 @@ def _context():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     if forkserver._forkserver._forkserver_pid is None:  # start it now, with its preloads, single-threaded
-        # A module's ``__main__`` (e.g. ``lightning_mm.planning.__main__``) would run its command in the server.
-        preload = [name for name in _PRELOAD if name in sys.modules]
-        preload += sorted(
-            name for name in sys.modules if name.startswith("lightning_mm.") and not name.endswith(".__main__")
-        )
+        preload = _preloadable_modules()
         ctx.set_forkserver_preload(preload)
         # numpy's OpenBLAS starts a worker thread at import, and a fork from a process with another thread inherits
         # whatever that thread held. With one BLAS thread the server has no thread but its own (measured,
@@ -156,44 +157,79 @@ def run_in_process(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -
 class _ProcessState:
     """What a launch may change process-wide in a rank, captured before the first launch and put back after each,
     so that a warm rank starts every launch as a fresh interpreter would; random generators (torch, ``random``,
-    numpy) are seeded afresh from the OS, as a new interpreter seeds them."""
+    numpy) are seeded afresh from the OS, as a new interpreter seeds them. What cannot be put back (a thread the
+    launch left running, a pending alarm) retires the rank instead (:func:`_leftovers`)."""
 
-    _SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+    _SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGALRM")
 
     def __init__(self) -> None:
         self.environ = dict(os.environ)
         self.cwd = os.getcwd()
         self.sys_path = list(sys.path)
+        self.umask = os.umask(0o022)
+        os.umask(self.umask)
         self.default_dtype = torch.get_default_dtype()
+        self.default_device = torch.get_default_device()
         self.grad_enabled = torch.is_grad_enabled()
+        self.anomaly = torch.is_anomaly_enabled()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
         self.deterministic_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
         self.matmul_precision = torch.get_float32_matmul_precision()
         self.warning_filters = list(warnings.filters)
         signums = [getattr(signal, name) for name in self._SIGNALS if hasattr(signal, name)]
         self.handlers = {signum: signal.getsignal(signum) for signum in signums}
+        self.threads = set(threading.enumerate())
+        self.loggers = {name: _logger_state(name) for name in ("", *logging.root.manager.loggerDict)}
 
     def restore(self) -> None:
         os.environ.clear()
         os.environ.update(self.environ)
         os.chdir(self.cwd)
         sys.path[:] = self.sys_path
+        os.umask(self.umask)
         torch.seed()
         random.seed()
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         torch.set_default_dtype(self.default_dtype)
+        if torch.get_default_device() != self.default_device:  # (setting "cpu" would add a mode to every op)
+            torch.set_default_device(None if self.default_device.type == "cpu" else self.default_device)
         torch.set_grad_enabled(self.grad_enabled)
+        torch.set_anomaly_enabled(self.anomaly)
         torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
         torch.set_float32_matmul_precision(self.matmul_precision)
         warnings.filters[:] = self.warning_filters
+        getattr(warnings, "_filters_mutated", lambda: None)()  # forget the "once" registries the launch filled
         for signum, handler in self.handlers.items():
             if handler is not None:
                 signal.signal(signum, handler)
+        for name, (level, handlers, propagate, disabled) in self.loggers.items():
+            logger = logging.getLogger(name or None)
+            logger.setLevel(level)
+            logger.handlers[:] = handlers
+            logger.propagate, logger.disabled = propagate, disabled
+
+    def leftovers(self) -> list[str]:
+        """What the launch left behind that cannot be put back: threads still running (after a garbage collection,
+        which ends DataLoader workers held only by reference cycles) and a pending alarm."""
+        gc.collect()
+        found = [
+            f"thread {thread.name!r}"
+            for thread in threading.enumerate()
+            if thread not in self.threads and thread.is_alive() and not thread.name.startswith("QueueFeederThread")
+        ]
+        if signal.alarm(0):
+            found.append("a pending SIGALRM")
+        return found
+
+
+def _logger_state(name: str) -> tuple:
+    logger = logging.getLogger(name or None)
+    return logger.level, list(logger.handlers), logger.propagate, logger.disabled
 
 
 def _forget_process_groups() -> None:
-    """Drop torch's caches that hold DeviceMesh objects, before the process group they name is destroyed.
+    """Drop torch's caches that hold DeviceMesh objects, while the process groups they name still exist.
 
     DTensor memoizes each op's output sharding keyed by the input specs, and ``DeviceMesh`` compares by rank layout
     and dimension names, not by process group: the next launch's mesh over the same ranks hits that cache and gets
@@ -208,30 +244,44 @@ def _forget_process_groups() -> None:
 
     _clear_sharding_prop_cache()
     _redistribute._gen_transform_infos.cache_clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:  # planners keyed by (weak references to) equal-comparing meshes
+        clear_planners()
     if "torch._dynamo" in sys.modules:  # compiled graphs guard on (and call into) the old groups too
         torch._dynamo.reset()
 
 
-def _rank_main(rank: int, world_size: int, tasks, results) -> None:
-    """A rank's life: run launches from ``tasks`` until ``None`` arrives (a fresh rank gets one launch)."""
+def _rank_main(rank: int, world_size: int, tasks, results, preload: list[str]) -> None:
+    """A rank's life: import ``preload``, then run launches from ``tasks`` until ``None`` arrives, or until its
+    parent is gone (a killed test process must not leave ranks behind holding its output open)."""
+    # Imported with this rank's variables (Lightning's rank_zero_only reads RANK at import) and before the state
+    # is captured, so that the filters and loggers those imports install are part of what every launch starts with.
+    os.environ.update(_rank_environment(rank, world_size, port=0))
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception:  # a launch that needs it reports the error, with its traceback
+            pass
     initial = _ProcessState()
-    while (task := tasks.get()) is not None:
-        launch_id, fn, args, port, pg_timeout, environ, cwd, path = task
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if task is None:
+            return
+        launch_id, payload, port, pg_timeout, environ, cwd, path = task
+        leftovers: list[str] = []
         try:
             os.environ.clear()
             os.environ.update(environ)
-            os.environ.update(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size),
-                NODE_RANK="0",
-                GROUP_RANK="0",
-            )
+            os.environ.update(_rank_environment(rank, world_size, port))
             os.chdir(cwd)
             sys.path[:] = path
+            fn, args = pickle.loads(payload)  # after the caller's sys.path and environment: it imports fn's module
             # Ranks share the machine's cores: one thread each by default (oversubscription makes runs slow, not
             # wrong).
             torch.set_num_threads(test_threads(1))
@@ -240,19 +290,36 @@ def _rank_main(rank: int, world_size: int, tasks, results) -> None:
             # which is gone once this process exits before the parent reads it.
             buffer = io.BytesIO()
             torch.save(fn(rank, world_size, *args), buffer)
-            results.put((launch_id, rank, "ok", buffer.getvalue()))
+            outcome = ("ok", buffer.getvalue())
         except BaseException:
-            results.put((launch_id, rank, "error", traceback.format_exc()))
+            outcome = ("error", traceback.format_exc())
         finally:
+            _forget_process_groups()  # also when fn destroyed the group itself
             if dist.is_initialized():
-                _forget_process_groups()
                 dist.destroy_process_group()
             initial.restore()
+            leftovers = initial.leftovers()
+        results.put((launch_id, rank, *outcome, leftovers))
+
+
+def _rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """torchrun's variables for ``rank`` of a one-node job."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "NODE_RANK": "0",
+        "GROUP_RANK": "0",
+    }
 
 
 class _Ranks:
     """``world_size`` spawned ranks that run launches one after another; any failure closes them (a rank that saw
-    one may be stuck in a collective or left in any state)."""
+    one may be stuck in a collective or left in any state), as does a launch that left something behind that a rank
+    cannot put back (:meth:`_ProcessState.leftovers`)."""
 
     def __init__(self, world_size: int) -> None:
         ctx = mp.get_context("spawn")
@@ -260,37 +327,42 @@ class _Ranks:
         self.import_environment = _import_time_environment(dict(os.environ))
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
+        preload = _preloadable_modules()
         self.procs = [
-            ctx.Process(target=_rank_main, args=(r, world_size, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_rank_main, args=(r, world_size, self.tasks[r], self.results, preload), daemon=True)
             for r in range(world_size)
         ]
         for proc in self.procs:
             proc.start()
         self.launches = 0
+        self.retired: list[str] = []
+        """Why these ranks must not run another launch (empty while they may)."""
 
     def usable(self) -> bool:
-        return all(proc.is_alive() for proc in self.procs) and self.import_environment == _import_time_environment(
-            dict(os.environ)
+        return (
+            not self.retired
+            and all(proc.is_alive() for proc in self.procs)
+            and self.import_environment == _import_time_environment(dict(os.environ))
         )
 
     def run(self, fn: Callable[..., Any], args: tuple, timeout: float, pg_timeout: float) -> list[Any]:
+        # Pickled here, not by the queue's feeder thread, which would only print an unpicklable fn's error and leave
+        # the caller waiting for its timeout; the rank unpickles it after taking on the caller's sys.path.
+        payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         self.launches += 1
         launch_id = self.launches
-        port = free_port()
-        task = (launch_id, fn, args, port, pg_timeout, dict(os.environ), os.getcwd(), list(sys.path))
+        task = (launch_id, payload, free_port(), pg_timeout, dict(os.environ), os.getcwd(), list(sys.path))
         for queue_ in self.tasks:
             queue_.put(task)
         collected: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(collected) < self.world_size:
             try:
-                got_id, rank, status, value = self.results.get(timeout=1.0)
+                got_id, rank, status, value, leftovers = self.results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in collected]
-                if dead:
+                if any(p.exitcode is not None for r, p in enumerate(self.procs) if r not in collected):
                     raise RuntimeError(
-                        f"rank {dead[0]} died with exit code {self.procs[dead[0]].exitcode}"
-                        + _failure_report({}, self.procs, self.results, set(collected), launch_id)
+                        _failure_report({}, self.procs, self.results, set(collected), launch_id)
                     ) from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -300,27 +372,39 @@ class _Ranks:
                 continue
             if got_id != launch_id:  # cannot happen: ranks are closed after any launch that did not complete
                 raise RuntimeError(f"a rank answered launch {got_id} during launch {launch_id}")
+            self.retired += [f"rank {rank}: {leftover}" for leftover in leftovers]
             if status == "error":
                 raise RuntimeError(_failure_report({rank: value}, self.procs, self.results, set(collected), launch_id))
             # Results of the ranks this function spawned itself (test / benchmark code), never a user's file.
             collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
         return [collected[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, grace: float = 10.0) -> None:
         for queue_, proc in zip(self.tasks, self.procs, strict=True):
             if proc.is_alive():
                 try:
                     queue_.put(None)
                 except (OSError, ValueError):
                     pass
+        deadline = time.monotonic() + grace  # shared: ranks stuck in a collective are killed together
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
         for queue_ in (*self.tasks, self.results):
             queue_.close()
             queue_.cancel_join_thread()
+
+
+def _preloadable_modules() -> list[str]:
+    """The heavy modules the caller has imported (and every ``lightning_mm`` module it has): ranks import them
+    before their first launch."""
+    preload = [name for name in _PRELOAD if name in sys.modules]
+    # A module's ``__main__`` (e.g. ``lightning_mm.planning.__main__``) would run its command.
+    return preload + sorted(
+        name for name in sys.modules if name.startswith("lightning_mm.") and not name.endswith(".__main__")
+    )
 
 
 def _failure_report(
@@ -332,7 +416,7 @@ def _failure_report(
     deadline = time.monotonic() + grace
     while pending and time.monotonic() < deadline:
         try:
-            got_id, rank, status, value = results.get(timeout=0.2)
+            got_id, rank, status, value, _ = results.get(timeout=0.2)
         except queue.Empty:
             pending = {r for r in pending if procs[r].exitcode is None}
             continue
@@ -343,7 +427,7 @@ def _failure_report(
             errors[rank] = value
     report = [f"rank {rank} failed:\n{text}" for rank, text in sorted(errors.items())]
     report += [
-        f"rank {rank} exited with code {proc.exitcode} without a result"
+        f"rank {rank} died with exit code {proc.exitcode} without a result"
         for rank, proc in enumerate(procs)
         if rank not in errors and rank not in finished and proc.exitcode not in (None, 0)
     ]
@@ -362,13 +446,17 @@ def warm_ranks() -> Iterator[None]:
     """Within this context, :func:`run_distributed` keeps its ranks alive and runs the next launch of the same world
     size in them, instead of spawning fresh interpreters (which spend ~5 s each importing torch and Lightning).
 
-    Between launches every rank destroys its process group and puts back its environment, working directory,
-    ``sys.path``, default dtype, grad mode, deterministic-algorithm and matmul-precision
-    settings, warning filters and signal handlers, and reseeds its random generators from the OS
-    (:class:`_ProcessState`). What it keeps: imported modules and
-    their module-level state, and its peak memory (``ru_maxrss``); a launch that measures those passes
-    ``fresh=True``. A launch that fails in any way closes the ranks it ran on. Ranks keep the standard output they
-    were spawned with. The test suite runs inside this context (``tests/conftest.py``); benchmarks do not.
+    Ranks import the heavy modules the caller has imported before their first launch. Between launches every rank
+    clears torch's mesh caches and destroys its process group, and puts back its environment, working directory,
+    ``sys.path``, umask, default dtype and device, grad and anomaly modes, deterministic-algorithm and
+    matmul-precision settings, warning filters, signal handlers and the loggers it had before its first launch, and
+    reseeds its random generators
+    from the OS (:class:`_ProcessState`). What it keeps: imported modules and their module-level state (Lightning's
+    warning caches among them), and its peak memory (``ru_maxrss``); a launch that depends on those passes
+    ``fresh=True``. A launch that fails in any way, or leaves a thread running or an alarm pending, closes the ranks
+    it ran on. Ranks exit when the process that started them is gone. They keep the standard output they were
+    spawned with (a pool started inside a test's ``capfd`` writes to that test's capture). The test suite runs
+    inside this context (``tests/conftest.py``); benchmarks do not.
     """
     global _warm
     if _warm is not None:  # nested: the outer context owns the ranks
@@ -415,7 +503,7 @@ def run_distributed(
     """
     # Spawned, not forked from the preloaded server: forked ranks died now and then in gloo / TCPStore code (heap
     # corruption, "malloc(): unaligned tcache chunk detected", 3 of 4 full-suite runs; cause not found).
-    warm = _warm is not None and not fresh
+    warm = _warm is not None and not fresh and world_size <= _MAX_WARM_PROCESSES
     ranks = _warm_ranks_for(world_size) if warm else _Ranks(world_size)
     completed = False
     try:
@@ -423,7 +511,9 @@ def run_distributed(
         completed = True
         return result
     finally:
-        if not (warm and completed):
+        if ranks.retired:
+            print(f"lightning_mm.testing: warm ranks retired ({'; '.join(ranks.retired)})", file=sys.stderr)
+        if not (warm and completed and not ranks.retired):
             if warm:
                 _warm.pop(world_size, None)
             ranks.close()

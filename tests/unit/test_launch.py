@@ -4,9 +4,15 @@ it; warm ranks start every launch as fresh ones would and are replaced after a f
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import signal
 import sys
+import textwrap
+import threading
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -54,6 +60,10 @@ def _state(rank: int, world: int, probe: str) -> dict:
         "leaked": os.environ.get("LIGHTNING_MM_LEAKED"),
         "sigterm": signal.getsignal(signal.SIGTERM),
         "world": dist.get_world_size(),
+        "matmul": torch.get_float32_matmul_precision(),
+        "filters": len(warnings.filters),
+        "umask": _umask(),
+        "root_level": logging.getLogger().level,
     }
     torch.manual_seed(1234 + rank)
     torch.set_default_dtype(torch.float64)
@@ -62,7 +72,17 @@ def _state(rank: int, world: int, probe: str) -> dict:
     os.environ["LIGHTNING_MM_LEAKED"] = "yes"
     os.chdir("/")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_float32_matmul_precision("medium")
+    warnings.simplefilter("error")
+    os.umask(0o077)
+    logging.getLogger().setLevel(logging.CRITICAL)
     return seen
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def test_warm_ranks_start_each_launch_as_fresh_ones_and_are_replaced_after_a_failure(tmp_path, monkeypatch):
@@ -86,11 +106,13 @@ def test_warm_ranks_start_each_launch_as_fresh_ones_and_are_replaced_after_a_fai
             assert seen["dtype"] == torch.float32 and seen["grad"] and not seen["deterministic"]
             assert seen["cwd"] == str(tmp_path) and seen["leaked"] is None
             assert seen["sigterm"] == fresh[rank]["sigterm"] and seen["world"] == 2
+            for key in ("matmul", "filters", "umask", "root_level"):
+                assert seen[key] == fresh[rank][key], key
         assert second[rank]["probe"] == "second"  # the caller's environment at each launch
         assert not torch.equal(first[rank]["draw"], second[rank]["draw"])
 
 
-def _dtensor_op(rank: int, world: int, groups_before: int) -> list[list[float]]:
+def _dtensor_op(rank: int, world: int, groups_before: int, destroy: bool = False) -> list[list[float]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -100,10 +122,80 @@ def _dtensor_op(rank: int, world: int, groups_before: int) -> list[list[float]]:
     rows = distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)])
     columns = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
     partial = rows @ columns  # a partial sum, on the mesh DTensor memoized for these input specs
-    return partial.redistribute(mesh, [Replicate()]).to_local().tolist()
+    result = partial.redistribute(mesh, [Replicate()]).to_local().tolist()
+    if destroy:  # as a test may do itself: the caches must still be cleared
+        dist.destroy_process_group()
+    return result
 
 
 def test_a_warm_rank_runs_dtensor_ops_on_the_new_process_group_not_the_destroyed_one():
     with launch.warm_ranks():
-        for groups_before in (3, 0):  # the second launch used to get the first launch's mesh from DTensor's cache
-            assert launch.run_distributed(_dtensor_op, 4, groups_before) == [[[4.0, 4.0], [4.0, 4.0]]] * 4
+        # the later launches used to get the earlier launch's mesh from DTensor's cache
+        for groups_before, destroy in ((3, False), (0, True), (2, False)):
+            assert launch.run_distributed(_dtensor_op, 4, groups_before, destroy) == [[[4.0, 4.0], [4.0, 4.0]]] * 4
+
+
+def _pid(rank: int, world: int) -> int:
+    return os.getpid()
+
+
+def _leave_a_thread(rank: int, world: int) -> int:
+    threading.Thread(target=time.sleep, args=(60,), name="left-behind", daemon=True).start()
+    return os.getpid()
+
+
+def test_a_launch_that_leaves_a_thread_running_retires_its_ranks(capfd):
+    with launch.warm_ranks():
+        left = launch.run_distributed(_leave_a_thread, 2)
+        after = launch.run_distributed(_pid, 2)
+    assert all(a != b for a, b in zip(left, after, strict=True))  # the thread could have ended any later launch
+    report = capfd.readouterr().err
+    assert "warm ranks retired" in report and all(f"rank {r}: thread 'left-behind'" in report for r in range(2))
+
+
+def test_an_unpicklable_function_fails_at_once_not_at_the_timeout():
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        launch.run_distributed(lambda rank, world: rank, 2, timeout=900)  # (pytest-timeout would end a wait first)
+
+
+def test_ranks_import_a_function_from_a_path_added_after_they_started(tmp_path, monkeypatch):
+    with launch.warm_ranks():
+        launch.run_distributed(_pid, 2)  # the ranks exist before the path does
+        (tmp_path / "late_added_module.py").write_text(
+            textwrap.dedent(
+                """
+                def world_of(rank, world):
+                    return world
+                """
+            )
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        import late_added_module
+
+        assert launch.run_distributed(late_added_module.world_of, 2) == [2, 2]
+
+
+def _warm_ranks_then_die(pid_file: str) -> None:
+    with launch.warm_ranks():
+        pids = launch.run_distributed(_pid, 2)
+        with open(pid_file, "w") as file:
+            file.write(" ".join(map(str, pids)))
+        os._exit(0)  # killed, in effect: no cleanup runs
+
+
+def test_warm_ranks_exit_when_the_process_that_started_them_dies(tmp_path):
+    pid_file = tmp_path / "pids"
+    assert launch.run_in_process(_warm_ranks_then_die, str(pid_file), timeout=120) == 0
+    pids = [int(pid) for pid in pid_file.read_text().split()]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in pids), "orphaned ranks kept running"
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
