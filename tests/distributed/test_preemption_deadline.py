@@ -73,6 +73,9 @@ def _run(tmp_path: Path, stuck: str, signal_ranks: tuple[int, ...]) -> dict:
     return {"codes": codes, "after": exited, "output": [(tmp_path / f"output{r}.txt").read_text() for r in range(2)]}
 
 
+# Time: per case 2 fresh interpreters (a tiny DDP fit, 3 steps), then deliberate waits: 1 s for rank 0 to block in the
+# all-reduce, then boundary_timeout_s (3 s) and heartbeats until both ranks dump their stacks and exit. The signal must
+# reach real processes whose main thread is blocked in C++ and which then exit: not warm run_distributed ranks.
 @pytest.mark.parametrize(
     ("stuck", "signal_ranks"),
     [("step", (0, 1)), ("loader", (0,))],

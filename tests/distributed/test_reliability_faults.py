@@ -169,6 +169,9 @@ def test_survivor_exits_fast_naming_the_killed_rank(root):
     assert "RankWatchdog (rank 0): lost rank 1: its process" in run["output"][0]
 
 
+# Time: one launch of 2 fresh interpreters (2 steps and a checkpoint), then a deliberate wait: rank 1 is SIGSTOPped and
+# rank 0 must sit out peer_timeout (8 s) and grace (2 s) before its watchdog exits it; that wait is what is tested, and
+# 8 s stays well above the longest GIL-less pause of a busy rank on 2 cores (a smaller one risks a false alarm).
 def test_frozen_rank_is_named_before_the_collective_timeout(root):
     run = _run("frozen", root)
     stopped = json.loads((Path(root) / "frozen" / "killed.json").read_text())
@@ -179,6 +182,8 @@ def test_frozen_rank_is_named_before_the_collective_timeout(root):
     assert "exiting with code 1" in run["output"][0]
 
 
+# Time: one launch of 2 fresh interpreters for the uninterrupted 10-step run (a checkpoint every 2 steps); the killed
+# run is cached from the first test. The uninterrupted run is also the reference of both resume tests below (cached).
 def test_same_seed_and_config_give_identical_losses(root):
     """Determinism: two launches with the same seed and configuration (the killed run up to its kill)."""
     reference = _run("uninterrupted", root)
@@ -218,6 +223,9 @@ def test_resume_after_kill_is_exact(root):
         assert after == full[newest:]  # same losses, bit for bit, and the same samples in the same order
 
 
+# Time: 2 launches of 2 fresh interpreters in sequence: the preempted run (SIGTERM at step 7: 8 steps, checkpoints,
+# last.ckpt) and its resume (steps 8-9); the uninterrupted reference is cached. The signal, the non-zero exits and the
+# resume from last.ckpt must happen in real processes started like torchrun's workers.
 def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(root):
     """SIGTERM to one rank (rank 1) at the start of a step: both ranks finish that step, save ``last.ckpt``
     together, exit non-zero saying so; resuming continues the uninterrupted run's losses bit for bit."""

@@ -59,6 +59,9 @@ def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_one_process(tmp_path):
     assert (tmp_path / "runs/hf_llama/config.yaml").read_text().count("HFCausalLMModule") == 1
 
 
+# Time: the installed `lightning-mm` console script on 2 pipeline stages: 2 fresh interpreters that also import
+# transformers, started one after the other by Lightning's launcher, then 3 steps, 1 validation pass and a DCP
+# last.ckpt. The console script and the shipped YAML are what is tested, so it stays a real command.
 def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_two_pipeline_stages(tmp_path):
     train, val = _fit_hf_llama(
         tmp_path,
@@ -70,6 +73,9 @@ def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_two_pipeline_stages(tmp_pa
     assert len(train) == STEPS and len(val) == 1
 
 
+# Time: the example script as users run it: 2 fresh interpreters importing transformers (rank 1 started by Lightning's
+# launcher), 2 tp2 steps, 1 validation pass and a DCP save, then a 3rd interpreter for the `lightning-mm export-hf`
+# the script itself runs; that export is what from_pretrained checks.
 def test_train_llama_script_trains_with_tensor_parallel_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -113,6 +113,8 @@ def _two_nodes(root: Path, *overrides: str) -> list[subprocess.Popen]:
     return [_torchrun(root / f"node{n}", 2, n, 2, port, *overrides) for n in range(2)]
 
 
+# Time: one torchrun launch, 5 fresh interpreters (the agent + 4 workers) on 2 cores, then 6 steps and 2 validation
+# passes; start-up is most of it. Module scope: the two-node and the SLURM test compare with this one run.
 @pytest.fixture(scope="module")
 def single_node(tmp_path_factory) -> list[float]:
     root = tmp_path_factory.mktemp("one_node")
@@ -123,6 +125,9 @@ def single_node(tmp_path_factory) -> list[float]:
     return losses
 
 
+# Time: two torchrun "nodes" started together, 6 fresh interpreters (2 agents + 4 workers) on 2 cores, then 6 steps
+# of the 4-rank HSDP mesh; start-up is most of it. What is tested is torchrun's 2-node rendezvous and the ranks' node
+# layout as the agents set them, which warm in-process ranks cannot stand in for.
 def test_two_torchrun_nodes_equal_one_node(tmp_path, single_node):
     nodes = _two_nodes(tmp_path, *HSDP)
     codes = _wait(nodes)
@@ -146,6 +151,9 @@ status=0; for p in "${pids[@]}"; do wait "$p" || status=1; done; exit $status
 """
 
 
+# Time: the shipped sbatch script under bash with a fake srun: 4 fresh `lightning-mm fit` interpreters (no agent) on
+# 2 cores, then 6 steps; start-up is most of it. The script and Lightning's SLURMEnvironment reading srun's variables
+# in separate processes are what is tested.
 def test_slurm_script_equals_one_node(tmp_path, single_node):
     """``examples/slurm/train.sbatch`` as SLURM runs it on 2 nodes x 2 tasks (a fake ``srun`` sets the task
     variables on this machine; Lightning's ``SLURMEnvironment`` reads them): losses equal one node."""
@@ -184,6 +192,9 @@ def test_slurm_script_equals_one_node(tmp_path, single_node):
     torch.testing.assert_close(torch.tensor(_losses(tmp_path)), torch.tensor(single_node), rtol=1e-6, atol=0)
 
 
+# Time: 2 torchrun agents + 2 workers (4 fresh interpreters) and no training: each worker imports torch and Lightning
+# and builds the CLI's objects before HybridParallelStrategy refuses the mesh in setup_environment. The refusal must
+# come from a real 2-node launch, with the devices per node that torchrun gives.
 def test_tensor_parallel_across_nodes_is_refused(tmp_path):
     port = free_port()
     nodes = [_torchrun(tmp_path / f"node{n}", 2, n, 1, port, "--trainer.strategy.tensor_parallel=2") for n in range(2)]
@@ -193,6 +204,9 @@ def test_tensor_parallel_across_nodes_is_refused(tmp_path):
     assert "tensor_parallel=2 groups span 2 consecutive ranks, which does not fit nodes of 1 devices" in log
 
 
+# Time: 2 nodes (6 fresh interpreters) train until the first complete DCP checkpoint (step 2); node 0 then stops within
+# seconds of node 1's SIGKILL (the 60 s bound is not waited out); then a 1-node resume (3 more interpreters, 2 steps).
+# A real agent's process tree must be killed and a new launch resume, so the 9 start-ups stay: most of the time.
 def test_lost_node_stops_the_other_and_resumes_on_one_node(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     keep_going = (

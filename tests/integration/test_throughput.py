@@ -123,6 +123,8 @@ def _cli_model(config: Path, tmp_path: Path) -> VLMModule:
     return cli.model
 
 
+# Time: one fresh `lightning-mm fit` of tiny.yaml (with a stated peak): imports, an offline W&B run, 6 steps and 2
+# validation passes; start-up is most of it. W&B writes its offline history completely only at process exit.
 def test_fit_tiny_logs_throughput_metrics_to_offline_wandb(tmp_path):
     """``lightning-mm fit`` on tiny.yaml (its MultimodalThroughput, window of 3 steps), with a stated device peak
     so that MFU is logged on a CPU too: the W&B history has Lightning's throughput metrics, consistent with the
