@@ -317,9 +317,9 @@ def _rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 class _Ranks:
-    """``world_size`` spawned ranks that run launches one after another; any failure closes them (a rank that saw
-    one may be stuck in a collective or left in any state), as does a launch that left something behind that a rank
-    cannot put back (:meth:`_ProcessState.leftovers`)."""
+    """``world_size`` spawned ranks that run launches one after another. They retire (the caller closes them) when
+    a rank dies, does not answer a failed launch within the grace period (stuck in a collective), or a launch times
+    out, and when a launch left something behind that a rank cannot put back (:meth:`_ProcessState.leftovers`)."""
 
     def __init__(self, world_size: int) -> None:
         ctx = mp.get_context("spawn")
@@ -337,6 +337,8 @@ class _Ranks:
         self.launches = 0
         self.retired: list[str] = []
         """Why these ranks must not run another launch (empty while they may)."""
+        self.busy = False
+        """A launch was handed out and not every rank has answered it (e.g. the caller was interrupted)."""
 
     def usable(self) -> bool:
         return (
@@ -351,6 +353,7 @@ class _Ranks:
         payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         self.launches += 1
         launch_id = self.launches
+        self.busy = True
         task = (launch_id, payload, free_port(), pg_timeout, dict(os.environ), os.getcwd(), list(sys.path))
         for queue_ in self.tasks:
             queue_.put(task)
@@ -361,10 +364,9 @@ class _Ranks:
                 got_id, rank, status, value, leftovers = self.results.get(timeout=1.0)
             except queue.Empty:
                 if any(p.exitcode is not None for r, p in enumerate(self.procs) if r not in collected):
-                    raise RuntimeError(
-                        _failure_report({}, self.procs, self.results, set(collected), launch_id)
-                    ) from None
+                    raise RuntimeError(_failure_report(self, {}, set(collected), launch_id)) from None
                 if time.monotonic() > deadline:
+                    self.retired.append("a launch timed out")
                     raise TimeoutError(
                         f"ranks {sorted(set(range(self.world_size)) - set(collected))} did not finish within "
                         f"{timeout:.0f} s"
@@ -374,9 +376,10 @@ class _Ranks:
                 raise RuntimeError(f"a rank answered launch {got_id} during launch {launch_id}")
             self.retired += [f"rank {rank}: {leftover}" for leftover in leftovers]
             if status == "error":
-                raise RuntimeError(_failure_report({rank: value}, self.procs, self.results, set(collected), launch_id))
+                raise RuntimeError(_failure_report(self, {rank: value}, set(collected), launch_id))
             # Results of the ranks this function spawned itself (test / benchmark code), never a user's file.
             collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        self.busy = False
         return [collected[r] for r in range(self.world_size)]
 
     def close(self, grace: float = 10.0) -> None:
@@ -408,23 +411,30 @@ def _preloadable_modules() -> list[str]:
 
 
 def _failure_report(
-    errors: dict[int, str], procs: list, results, finished: set[int], launch_id: int, grace: float = 5.0
+    ranks: _Ranks, errors: dict[int, str], finished: set[int], launch_id: int, grace: float = 5.0
 ) -> str:
     """The failure of ``errors`` plus what every other rank did within ``grace`` seconds: the cause is often on
-    another rank (a peer's "Connection reset by peer" is the echo of a crash elsewhere)."""
+    another rank (a peer's "Connection reset by peer" is the echo of a crash elsewhere). A rank that does not answer
+    within ``grace`` (dead, or stuck in a collective) retires the ranks; ranks that all answered have each cleaned up
+    after the launch and may run the next one."""
+    procs = ranks.procs
     pending = set(range(len(procs))) - set(errors) - finished
     deadline = time.monotonic() + grace
     while pending and time.monotonic() < deadline:
         try:
-            got_id, rank, status, value, _ = results.get(timeout=0.2)
+            got_id, rank, status, value, leftovers = ranks.results.get(timeout=0.2)
         except queue.Empty:
-            pending = {r for r in pending if procs[r].exitcode is None}
+            if any(procs[r].exitcode is not None for r in pending):
+                break
             continue
         if got_id != launch_id:
             continue
         pending.discard(rank)
+        ranks.retired += [f"rank {rank}: {leftover}" for leftover in leftovers]
         if status == "error":
             errors[rank] = value
+    ranks.retired += [f"rank {rank}: no answer after the failure" for rank in sorted(pending)]
+    ranks.busy = bool(pending)
     report = [f"rank {rank} failed:\n{text}" for rank, text in sorted(errors.items())]
     report += [
         f"rank {rank} died with exit code {proc.exitcode} without a result"
@@ -450,12 +460,13 @@ def warm_ranks() -> Iterator[None]:
     clears torch's mesh caches and destroys its process group, and puts back its environment, working directory,
     ``sys.path``, umask, default dtype and device, grad and anomaly modes, deterministic-algorithm and
     matmul-precision settings, warning filters, signal handlers and the loggers it had before its first launch, and
-    reseeds its random generators
-    from the OS (:class:`_ProcessState`). What it keeps: imported modules and their module-level state (Lightning's
-    warning caches among them), and its peak memory (``ru_maxrss``); a launch that depends on those passes
-    ``fresh=True``. A launch that fails in any way, or leaves a thread running or an alarm pending, closes the ranks
-    it ran on. Ranks exit when the process that started them is gone. They keep the standard output they were
-    spawned with (a pool started inside a test's ``capfd`` writes to that test's capture). The test suite runs
+    reseeds its random generators from the OS (:class:`_ProcessState`). What it keeps: imported modules and their
+    module-level state (Lightning's warning caches among them), and its peak memory (``ru_maxrss``); a launch that
+    depends on those passes ``fresh=True``. A launch that raised on some ranks keeps them when every rank answered
+    (each cleaned up after it); a rank that died, hung or timed out, a launch the caller abandoned, or one that left
+    a thread running or an alarm pending closes the ranks it ran on. Ranks exit when the process that started them
+    is gone. They keep the standard output they were spawned with (a pool started inside a test's ``capfd`` writes
+    to that test's capture). The test suite runs
     inside this context (``tests/conftest.py``); benchmarks do not.
     """
     global _warm
@@ -505,15 +516,12 @@ def run_distributed(
     # corruption, "malloc(): unaligned tcache chunk detected", 3 of 4 full-suite runs; cause not found).
     warm = _warm is not None and not fresh and world_size <= _MAX_WARM_PROCESSES
     ranks = _warm_ranks_for(world_size) if warm else _Ranks(world_size)
-    completed = False
     try:
-        result = ranks.run(fn, args, timeout, pg_timeout)
-        completed = True
-        return result
+        return ranks.run(fn, args, timeout, pg_timeout)
     finally:
-        if ranks.retired:
+        if warm and ranks.retired:
             print(f"lightning_mm.testing: warm ranks retired ({'; '.join(ranks.retired)})", file=sys.stderr)
-        if not (warm and completed and not ranks.retired):
+        if not warm or ranks.retired or ranks.busy:
             if warm:
                 _warm.pop(world_size, None)
             ranks.close()

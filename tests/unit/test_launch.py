@@ -85,7 +85,13 @@ def _umask() -> int:
     return current
 
 
-def test_warm_ranks_start_each_launch_as_fresh_ones_and_are_replaced_after_a_failure(tmp_path, monkeypatch):
+def _die_on_rank_one(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_warm_ranks_start_each_launch_as_fresh_ones_and_are_replaced_after_a_rank_dies(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("LIGHTNING_MM_LAUNCH_PROBE", "first")
     fresh = launch.run_distributed(_state, 2, "fresh", fresh=True)
@@ -94,12 +100,16 @@ def test_warm_ranks_start_each_launch_as_fresh_ones_and_are_replaced_after_a_fai
         monkeypatch.setenv("LIGHTNING_MM_LAUNCH_PROBE", "second")
         second = launch.run_distributed(_state, 2, "second")
         with pytest.raises(RuntimeError, match="the cause, on rank 1"):
-            launch.run_distributed(_fail_on_rank_one, 2, pg_timeout=30)
+            launch.run_distributed(_fail_on_rank_one, 2, pg_timeout=30)  # every rank answers: they stay
         third = launch.run_distributed(_state, 2, "third")
+        with pytest.raises(RuntimeError, match="rank 1 died with exit code 3"):
+            launch.run_distributed(_die_on_rank_one, 2, pg_timeout=30)
+        fourth = launch.run_distributed(_state, 2, "fourth")
     for rank in range(2):
         assert first[rank]["pid"] == second[rank]["pid"] != fresh[rank]["pid"]  # reused within the context
-        assert third[rank]["pid"] != second[rank]["pid"]  # the failed launch closed its ranks
-        for launch_seen in (first, second, third):
+        assert third[rank]["pid"] == second[rank]["pid"]  # a raised exception: every rank cleaned up after it
+        assert fourth[rank]["pid"] != third[rank]["pid"]  # a rank died: all were replaced
+        for launch_seen in (first, second, third, fourth):
             seen = launch_seen[rank]
             leaked_seed = torch.Generator().manual_seed(1234 + rank)
             assert not torch.equal(seen["draw"], torch.rand(3, generator=leaked_seed))  # reseeded, as a new process
