@@ -116,8 +116,10 @@ def test_warm_ranks_start_each_launch_as_fresh_ones_and_are_replaced_after_a_ran
             assert seen["dtype"] == torch.float32 and seen["grad"] and not seen["deterministic"]
             assert seen["cwd"] == str(tmp_path) and seen["leaked"] is None
             assert seen["sigterm"] == fresh[rank]["sigterm"] and seen["world"] == 2
-            for key in ("matmul", "filters", "umask", "root_level"):
+            for key in ("matmul", "umask", "root_level"):
                 assert seen[key] == fresh[rank][key], key
+            # (the count depends on what the ranks imported before their first launch: compared within the pool)
+            assert seen["filters"] == first[rank]["filters"]
         assert second[rank]["probe"] == "second"  # the caller's environment at each launch
         assert not torch.equal(first[rank]["draw"], second[rank]["draw"])
 
