@@ -119,8 +119,6 @@ def flop_coefficients(config: object, attention: Literal["segment", "row"] = "se
     patch_expert = (lf - 2 / 3) * (2 * dt * hidden + dt * config.vision_experts)
     token_dense = lu * (4 + 2 * mlp) * dt**2 + lf * 6 * dt**2 + dt * config.vocab_size
     token_expert = lf * (2 * dt * hidden + dt * config.text_experts)
-    if attention not in ("segment", "row"):  # anything else would silently be costed as "row"
-        raise ValueError(f"attention must be 'segment' or 'row', got {attention!r}")
     causal = 0.5 if attention == "segment" else 1.0
     train = 6.0  # 2 FLOPs per multiply-add, forward + backward (twice the forward)
     pairs = {
@@ -137,7 +135,7 @@ def flop_coefficients(config: object, attention: Literal["segment", "row"] = "se
         token=train * token_expert,
         patch_slot=train * patch_dense,
         token_slot=train * token_dense,
-        attention="row",
+        attention=attention,  # "row", or refused by CostCoefficients (never silently costed as "row")
         **pairs,
     )
 
