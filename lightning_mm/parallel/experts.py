@@ -69,6 +69,7 @@ __all__ = [
     "STATS",
     "ExpertParallelStats",
     "apply_expert_parallel",
+    "expert_fsdp_units",
     "expert_modules",
     "expert_order",
     "expert_parameters",
@@ -375,3 +376,27 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, placement: str 
         module.dispatcher = ExpertDispatcher(ep_mesh, order, placement)
         module.expert_order = order
     return modules
+
+
+def expert_fsdp_units(
+    child: nn.Module, mesh: DeviceMesh, expert_mesh: DeviceMesh, experts: set[nn.Parameter]
+) -> tuple[list[tuple[nn.Module | list[nn.Module], DeviceMesh]], set[nn.Parameter] | None]:
+    """``(inner_units, ignored_params)`` for :func:`~lightning_mm.parallel.fsdp.apply_fsdp` of ``child`` over the
+    dense FSDP ``mesh`` (``dp_shard``) when its expert weights (``experts``) are already ``Shard(0)`` DTensors on the
+    ep mesh: FSDP must not shard them again over the ranks ep borrows.
+
+    * ``dp_shard == ep`` (``expert_mesh`` = ``dp_shard_mod_ep`` of size 1): the experts stay outside FSDP
+      (``ignored_params``); their gradient is already the data-parallel mean (module docstring).
+    * ``dp_shard > ep``: as torchtitan, each ``ModalityExperts`` gets its own FSDP unit over ``expert_mesh``
+      (created before the block's, so the block skips it); its routers (dense) get theirs over ``mesh`` first, so
+      the expert unit holds the stacked weights only. FSDP2 divides the expert gradients by ``dp_shard_mod_ep``,
+      times the ``1 / ep`` applied in the graph = ``1 / dp``.
+
+    Routers and all other parameters are FSDP'd over ``mesh`` as usual."""
+    if expert_mesh.size() == 1:
+        return [], {p for p in child.parameters() if p in experts}
+    inner: list[tuple[nn.Module | list[nn.Module], DeviceMesh]] = []
+    for module in expert_modules(child):
+        inner.append(([sub for sub in module.children() if any(True for _ in sub.parameters())], mesh))
+        inner.append((module, expert_mesh))
+    return inner, None

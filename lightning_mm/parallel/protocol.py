@@ -12,7 +12,13 @@ field                       says                                           witho
 ``blocks``                  FSDP2 and activation-checkpointing units       outermost ``nn.ModuleList`` items
 ``apply_expert_parallel``   shards the model's experts over an ep mesh     ``expert_parallel > 1`` is refused
 ``pipeline``                a :class:`PipelineSpec`                        generic cut by ``pipeline_split`` FQNs
+``initialize``              fills a meta-built model's parameters once     each submodule's ``reset_parameters()``
+                            they are allocated (loads pretrained shards)   (Lightning's rule)
 ==========================  =============================================  ==========================================
+
+A module that builds its layers on the meta device (in ``configure_model``, when the strategy says
+:func:`materializes_meta_modules`) is parallelised while still meta; the strategy then allocates this rank's shards
+(``to_empty``) and calls ``initialize`` (:mod:`lightning_mm.parallel.materialize`).
 
 FQN patterns and names are relative to the module that returns the plan (the ``LightningModule``), so one plan
 serves ``state_dict`` keys, TP, FSDP and the pipeline split alike.
@@ -51,6 +57,7 @@ __all__ = [
     "ParallelPlanProvider",
     "PipelineObjective",
     "PipelineSpec",
+    "materializes_meta_modules",
 ]
 
 
@@ -156,6 +163,10 @@ class ParallelPlan:
     check_degrees: Callable[[Mapping[str, int]], None] | None = None
     """``check_degrees({"pp": 2, "tp": 2, "ep": 1, "dp": 4})``: raise ``ValueError`` (saying what to do) for a mesh
     the model cannot run on; called by the strategy before anything is applied."""
+    initialize: Callable[[], None] | None = None
+    """For a module built on the meta device: called once the strategy parallelised it and allocated its parameters
+    on their device (``to_empty``; plain tensors or DTensor shards), to fill them (load pretrained slices, initialise
+    buffers). ``None``: each submodule's ``reset_parameters()``."""
 
 
 @runtime_checkable
@@ -167,3 +178,10 @@ class ParallelPlanProvider(Protocol):
     ) -> ParallelPlan:
         """``sequence_parallel``: include sequence-parallel styles in ``tp_plan``; ``microbatches``: per step, for
         the pipeline objective; ``pipeline_shape``: the fixed batch shape the strategy was given, if any."""
+
+
+def materializes_meta_modules(strategy: Any) -> bool:
+    """Whether ``strategy`` parallelises a module built on the meta device and then fills it through
+    :attr:`ParallelPlan.initialize` (a model may then build on meta in ``configure_model``; under other strategies it
+    builds with memory). Strategies say so with a class attribute ``materializes_meta_modules = True``."""
+    return getattr(type(strategy), "materializes_meta_modules", False) is True

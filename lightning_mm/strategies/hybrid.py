@@ -6,8 +6,9 @@ Thin glue over :mod:`lightning_mm.parallel` (which has no Lightning imports):
 * ``setup_environment``: process group, then :class:`~lightning_mm.parallel.ParallelDims` builds the mesh;
   ``data_parallel_group`` / ``data_parallel_rank`` / ``data_parallel_size`` tell the losses and the DataModules
   which ranks see different samples (tp peers see the same batch).
-* ``setup``: unless the LightningModule overrides ``configure_model`` (then the user parallelises, as with
-  Lightning's ``ModelParallelStrategy``), asks the module how it is parallelized (its ``parallel_plan()``,
+* ``setup``: after the LightningModule's ``configure_model`` (where it may build its layers, on the meta device
+  too) and unless that already parallelised it (it holds DTensors, as with Lightning's ``ModelParallelStrategy``),
+  asks the module how it is parallelized (its ``parallel_plan()``,
   :mod:`lightning_mm.parallel.protocol`; the generic rules when it has none) and applies pipeline split -> tensor
   parallel (+ EP) -> activation checkpointing -> FSDP2 / HSDP, the torchtitan order. The strategy knows no model.
 * Pipeline parallel: the model is cut into this rank's stages, each parallelised in the same order
@@ -36,7 +37,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,13 +44,14 @@ from typing_extensions import override
 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.parallel.dims import DP_SHARD_MOD_EP, MeshAxis, ParallelDims
-from lightning_mm.parallel.experts import expert_parameters
+from lightning_mm.parallel.experts import expert_fsdp_units, expert_parameters
 from lightning_mm.parallel.fsdp import (
     apply_activation_checkpointing,
     apply_fsdp,
     mixed_precision_policy,
     transformer_blocks,
 )
+from lightning_mm.parallel.materialize import has_meta_tensors, holds_dtensors
 from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions
 from lightning_mm.parallel.plans import apply_tensor_parallel
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
@@ -80,8 +81,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     hand-written parallel code: the module says how it is parallelized (:mod:`lightning_mm.parallel.protocol`).
 
     ``pipeline_parallel * data_parallel_replicate * data_parallel_shard * tensor_parallel`` must equal the number of
-    processes
-    (``devices x num_nodes``); ``data_parallel_shard="auto"`` takes what is left.
+    processes (``devices x num_nodes``); ``data_parallel_shard="auto"`` takes what is left.
 
     Args:
         data_parallel_replicate: HSDP replica groups (parameters replicated across them, gradients all-reduced).
@@ -132,6 +132,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "hybrid"
+    materializes_meta_modules = True
+    """A module may build on the meta device in ``configure_model``: it is parallelised, then given this rank's shards
+    and filled (:func:`lightning_mm.parallel.protocol.materializes_meta_modules`)."""
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -286,9 +289,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         precision = str(trainer.precision)
         # Unsupported precisions fail here, naming the argument, before any sharding.
         mp_policy = mixed_precision_policy(precision)
-        if not is_overridden("configure_model", self.lightning_module):
-            self.parallelize(self.lightning_module, mp_policy)
-        materialize_distributed_module(self.model, self.root_device)
+        plan = self._parallelize(self.lightning_module, mp_policy)
+        self._materialize(self.lightning_module, plan)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -339,11 +341,23 @@ class HybridParallelStrategy(ModelParallelStrategy):
         ``module`` (a LightningModule), in place, from what the module declares (:meth:`parallel_plan`).
 
         Idempotent: a second ``fit`` / ``validate`` with the same module finds it parallelised (and its pipeline
-        runner) and does nothing.
+        runner) and does nothing. A module whose ``configure_model`` already parallelised it (it holds DTensors) is
+        left as it is.
         """
+        self._parallelize(module, mp_policy)
+        return module
+
+    def _parallelize(self, module: nn.Module, mp_policy) -> ParallelPlan | None:
+        """:meth:`parallelize`; returns the plan applied (None: nothing was applied)."""
         if module in _PARALLELIZED:
             self._pipeline = _PARALLELIZED[module]
-            return module
+            return None
+        if holds_dtensors(module):
+            rank_zero_info(
+                f"{type(module).__name__} holds DTensor parameters after configure_model (it parallelised itself): "
+                "the strategy applies no plan"
+            )
+            return None
         dims = self.parallel_dims
         plan = self.parallel_plan(module)
         if plan.check_degrees is not None:
@@ -351,7 +365,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if dims.pp_enabled:
             self._pipeline = self._parallelize_pipeline(module, plan, mp_policy)
             _PARALLELIZED[module] = self._pipeline
-            return module
+            return plan
         if dims.tp_enabled:
             apply_tensor_parallel(module, dims.get_mesh("tp"), self._require_tp_plan(module, plan))
         if dims.ep_enabled:
@@ -368,7 +382,20 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if fsdp_mesh is not None:
             self._apply_fsdp(module, blocks, fsdp_mesh, mp_policy)
         _PARALLELIZED[module] = None
-        return module
+        return plan
+
+    def _materialize(self, module: nn.Module, plan: ParallelPlan | None) -> None:
+        """Give a meta-built module this rank's shards and fill them: the plan's ``initialize`` (e.g. pretrained
+        slices), else each submodule's ``reset_parameters`` (Lightning's rule)."""
+        if not has_meta_tensors(module):
+            return
+        initialize = plan.initialize if plan is not None else None
+        how = initialize.__qualname__ if initialize is not None else "reset_parameters()"
+        rank_zero_info(f"{type(module).__name__} was built on the meta device: its shards are filled by {how}")
+        if initialize is None:
+            return materialize_distributed_module(module, self.root_device)
+        module.to_empty(device=self.root_device)
+        initialize()
 
     def _fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards and averages gradients over: HSDP ``(dp_replicate, dp_shard)``, or ``dp_shard`` alone
@@ -406,7 +433,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
             if not any(True for _ in child.parameters()):
                 continue
             inside = {id(sub) for sub in child.modules()}
-            inner, ignored = self._expert_units(child, mesh, experts) if experts else ((), None)
+            expert_mesh = self.parallel_dims.get_mesh(DP_SHARD_MOD_EP) if experts else None
+            inner, ignored = expert_fsdp_units(child, mesh, expert_mesh, experts) if experts else ((), None)
             apply_fsdp(
                 child,
                 mesh,
@@ -417,32 +445,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 inner_units=inner,
                 ignored_params=ignored,
             )
-
-    def _expert_units(
-        self, child: nn.Module, mesh: DeviceMesh, experts: set[nn.Parameter]
-    ) -> tuple[list[tuple[nn.Module | list[nn.Module], DeviceMesh]], set[nn.Parameter] | None]:
-        """``(inner_units, ignored_params)`` for :func:`apply_fsdp` of a child whose expert weights are already
-        ``Shard(0)`` DTensors on the ep mesh: the dense FSDP of their block over ``dp_shard`` must not shard them
-        again (ep borrows its ranks from it).
-
-        * ``dp_shard == ep`` (``dp_shard_mod_ep`` of size 1): the experts stay outside FSDP (``ignored_params``);
-          their gradient is already the data-parallel mean (:mod:`lightning_mm.parallel.experts`).
-        * ``dp_shard > ep``: as torchtitan, each ``ModalityExperts`` gets its own FSDP unit over ``dp_shard_mod_ep``
-          (created before the block's, so the block skips it); its routers (dense) get theirs over ``dp_shard``
-          first, so the expert unit holds the stacked weights only. FSDP2 divides the expert gradients by
-          ``dp_shard_mod_ep``, times the ``1 / ep`` applied in the graph = ``1 / dp``.
-
-        Routers and all other parameters are FSDP'd over ``dp_shard`` as usual."""
-        from lightning_mm.parallel.experts import expert_modules
-
-        expert_mesh = self.parallel_dims.get_mesh(DP_SHARD_MOD_EP)
-        if expert_mesh.size() == 1:
-            return [], {p for p in child.parameters() if p in experts}
-        inner: list[tuple[nn.Module | list[nn.Module], DeviceMesh]] = []
-        for module in expert_modules(child):
-            inner.append(([sub for sub in module.children() if any(True for _ in sub.parameters())], mesh))
-            inner.append((module, expert_mesh))
-        return inner, None
 
     # ---------------------------------------------------------------------------------------------- pipeline
 

@@ -189,6 +189,9 @@ class UserRegressor(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
+        self.build()
+
+    def build(self) -> None:
         self.encoder = nn.ModuleDict({"up": nn.Linear(12, 32), "down": nn.Linear(32, 12)})
         self.norm = nn.LayerNorm(12)
         self.head = nn.Linear(12, 3)
@@ -205,6 +208,18 @@ class UserRegressor(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class LateUserRegressor(UserRegressor):
+    """The same model with its layers built in ``configure_model``, Lightning's place for deferred construction: the
+    strategy parallelises it after the hook exactly as if ``__init__`` had built them."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "head"):  # (called again by a second fit)
+            self.build()
+
+
 USER_PLAN = {"encoder.up": "colwise", "encoder.down": "rowwise"}
 
 
@@ -213,10 +228,11 @@ def _user_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(STEPS)]
 
 
-def _fit_user(rank: int, world: int, kwargs: dict | None) -> dict:
-    """float64 (``DoublePrecision`` converts the module and the batches), as the reference VLM above."""
+def _fit_user(rank: int, world: int, kwargs: dict | None, late: bool = False) -> dict:
+    """float64 (``DoublePrecision`` converts the module and the batches), as the reference VLM above; ``late``: the
+    layers are built in ``configure_model``."""
     L.seed_everything(SEED, verbose=False)
-    module = UserRegressor()
+    module = LateUserRegressor() if late else UserRegressor()
     strategy = "auto" if kwargs is None else HybridParallelStrategy(**kwargs)
     recorder = LossRecorder()
     trainer = _trainer(1 if kwargs is None else world, strategy, [recorder])
@@ -229,9 +245,10 @@ def _fit_user(rank: int, world: int, kwargs: dict | None) -> dict:
     }
 
 
-def test_user_model_with_user_tp_plan_matches_one_process():
-    reference = _fit_user(0, 1, None)
-    result = run_distributed(_fit_user, 2, {"tensor_parallel": 2, "tp_plan": USER_PLAN})[0]
+@pytest.mark.parametrize("late", [False, True], ids=["built_in_init", "built_in_configure_model"])
+def test_user_model_with_user_tp_plan_matches_one_process(late):
+    reference = _fit_user(0, 1, None, late)
+    result = run_distributed(_fit_user, 2, {"tensor_parallel": 2, "tp_plan": USER_PLAN}, late)[0]
     assert result["up_is_dtensor"]
     torch.testing.assert_close(
         torch.tensor(result["losses"], dtype=torch.float64),

@@ -18,7 +18,9 @@ from lightning_mm.models.hf.parallelize import (
     causal_lm_parallel_plan,
     token_normalizer,
 )
-from lightning_mm.parallel.protocol import ParallelPlan
+from lightning_mm.models.hf.pretrained import init_lora_adapters, load_pretrained, pretrained_key_map
+from lightning_mm.parallel.materialize import has_meta_tensors
+from lightning_mm.parallel.protocol import ParallelPlan, materializes_meta_modules
 
 __all__ = ["HFCausalLMModule", "build_causal_lm"]
 
@@ -28,11 +30,17 @@ def build_causal_lm(
     pretrained: str | None = None,
     vocab_size: int | None = None,
     attn_implementation: str = "sdpa",
+    empty: bool = False,
 ) -> nn.Module:
     """A ``transformers`` causal LM from a config dict (``{"model_type": "llama", "hidden_size": 64, ...}``; random
     init from the current seed) or from a *local* directory with safetensors weights (nothing is downloaded and no
     pickle is read). A config with a ``vision_config`` (``model_type: llava``) builds an image-text-to-text model;
-    ``vocab_size`` then applies to its text config."""
+    ``vocab_size`` then applies to its text config.
+
+    Parameters are in torch's default dtype (float32 unless changed), whatever dtype the checkpoint stores: the
+    precision plugin decides what computes in bf16, and AdamW keeps float32 master weights. ``empty=True`` (with
+    ``pretrained``): the model is built on the meta device from the directory's config, no weight is read
+    (:func:`lightning_mm.models.hf.pretrained.load_pretrained` fills it once it is sharded)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if (config is None) == (pretrained is None):
@@ -43,9 +51,14 @@ def build_causal_lm(
             raise FileNotFoundError(f"pretrained={pretrained!r} is not a local directory (nothing is downloaded)")
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         auto = AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
-        return auto.from_pretrained(
-            path, local_files_only=True, use_safetensors=True, attn_implementation=attn_implementation
+        dtype = torch.get_default_dtype()
+        if empty:
+            with torch.device("meta"):
+                return auto.from_config(hf_config, attn_implementation=attn_implementation, dtype=dtype)
+        loaded = auto.from_pretrained(
+            path, local_files_only=True, use_safetensors=True, attn_implementation=attn_implementation, dtype=dtype
         )
+        return loaded.train()  # (from_pretrained returns it in eval mode: dropout would be off in training)
     config = dict(config)
     model_type = config.pop("model_type", None)
     if not model_type:
@@ -72,6 +85,13 @@ class HFCausalLMModule(L.LightningModule):
         max_length: fixed sequence length of pipelined batches (right padding; default: the first batch's).
         attn_implementation: ``"sdpa"`` or ``"eager"``.
 
+    Pretrained weights are read in ``configure_model``: under a strategy that
+    :func:`~lightning_mm.parallel.protocol.materializes_meta_modules` (``HybridParallelStrategy``) the model is built
+    on the meta device, parallelised, and each rank reads only its shards' slices of the safetensors
+    (:mod:`lightning_mm.models.hf.pretrained`), so no process holds the whole model; under any other strategy, or
+    when ``configure_model()`` is called outside a ``Trainer``, ``from_pretrained`` loads it whole. LoRA adapters are
+    initialised from the seed current at construction, full value by full value, so any mesh equals one process.
+
     Batches: a :class:`~lightning_mm.batch.MultimodalBatch` with one caption per row (text only is used) or a
     mapping with ``input_ids`` / ``attention_mask`` / ``labels`` (HF convention), see
     :func:`~lightning_mm.models.hf.parallelize.as_causal_lm_batch`. The loss is the mean over every target token of
@@ -93,17 +113,49 @@ class HFCausalLMModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
-        if model is None:
-            model = build_causal_lm(config, pretrained, vocab_size, attn_implementation)
-        elif config is not None or pretrained is not None:
+        if model is not None and (config is not None or pretrained is not None):
             raise ValueError("give model, config or pretrained, not several")
-        if lora is not None:
-            try:
-                from peft import LoraConfig, get_peft_model
-            except ImportError as error:
-                raise ImportError("lora=... needs peft: pip install 'lightning-mm[hf]'") from error
-            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
-        self.model = model
+        if (config is None) == (pretrained is None) and model is None:
+            raise ValueError("give exactly one of config (a dict with 'model_type') or pretrained (a local directory)")
+        if pretrained is not None and not Path(pretrained).is_dir():
+            raise FileNotFoundError(f"pretrained={pretrained!r} is not a local directory (nothing is downloaded)")
+        self._adapter_seed = torch.initial_seed()
+        self._pretrained_keys: dict[str, str] | None = None  # checkpoint key -> name, for a meta-built model
+        self.model: nn.Module | None = None
+        if pretrained is None:  # a config builds here (random init from the current seed), as before
+            self.model = self._with_adapters(
+                model if model is not None else build_causal_lm(config, None, vocab_size, attn_implementation)
+            )
+
+    def configure_model(self) -> None:
+        """Build the ``pretrained`` model (class docstring); nothing to do once it is built."""
+        if self.model is not None:
+            return
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        empty = materializes_meta_modules(strategy)
+        model = build_causal_lm(
+            None, self.hparams.pretrained, attn_implementation=self.hparams.attn_implementation, empty=empty
+        )
+        self.model = self._with_adapters(model)
+        if empty:  # (checked against the files now, before anything is sharded)
+            self._pretrained_keys = pretrained_key_map(self.model, self.hparams.pretrained)
+
+    def _with_adapters(self, model: nn.Module) -> nn.Module:
+        if self.hparams.lora is None:
+            return model
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as error:
+            raise ImportError("lora=... needs peft: pip install 'lightning-mm[hf]'") from error
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **self.hparams.lora))
+        if not has_meta_tensors(model):
+            init_lora_adapters(model, self._adapter_seed)
+        return model
+
+    def _load_pretrained(self) -> None:
+        """ParallelPlan.initialize of a meta-built model: its shards, once allocated, from ``pretrained``."""
+        seed = self._adapter_seed if self.hparams.lora is not None else None
+        load_pretrained(self.model, self.hparams.pretrained, self._pretrained_keys, lora_seed=seed)
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -114,7 +166,9 @@ class HFCausalLMModule(L.LightningModule):
     def parallel_plan(
         self, *, sequence_parallel: bool = False, microbatches: int = 1, pipeline_shape=None
     ) -> ParallelPlan:
-        return causal_lm_parallel_plan(
+        if self.model is None:
+            raise RuntimeError("HFCausalLMModule(pretrained=...) builds its model in configure_model(); call it first")
+        plan = causal_lm_parallel_plan(
             self,
             self.causal_lm,
             microbatches=microbatches,
@@ -122,6 +176,9 @@ class HFCausalLMModule(L.LightningModule):
             sequence_parallel=sequence_parallel,
             pipeline_shape=pipeline_shape,
         )
+        if has_meta_tensors(self.model):
+            plan.initialize = self._load_pretrained
+        return plan
 
     def forward(
         self,

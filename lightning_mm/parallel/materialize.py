@@ -1,0 +1,46 @@
+"""A model built on the meta device, then parallelised, then given memory shard by shard (plain torch).
+
+torchtitan's order: build on ``torch.device("meta")`` (no memory), apply TP / FSDP2 / the pipeline split (DTensor
+parameters, still meta), then ``to_empty`` allocates only this rank's shards, and the model fills them: loads
+pretrained slices (:mod:`lightning_mm.checkpoint.hf_safetensors`) or initialises. No process ever holds the whole
+model.
+
+Random initialisation that must equal one process on any mesh cannot draw each shard from the rank's own generator
+(the draws would depend on the sharding). :func:`fill_from_full` instead builds one parameter's full value at a
+time, from a generator every rank seeds alike, and keeps this rank's slice: the transient cost is the largest
+parameter, not the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["fill_from_full", "has_meta_tensors", "holds_dtensors"]
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is still on the meta device (built without memory)."""
+    return any(tensor.is_meta for tensor in (*module.parameters(), *module.buffers()))
+
+
+def holds_dtensors(module: nn.Module) -> bool:
+    """Whether any parameter of ``module`` is a DTensor, i.e. someone already parallelised it."""
+    return any(isinstance(param, DTensor) for param in module.parameters())
+
+
+@torch.no_grad()
+def fill_from_full(target: torch.Tensor, make_full: Callable[[torch.Size, torch.dtype], torch.Tensor]) -> None:
+    """Set ``target`` (a plain tensor or a DTensor shard) to its part of ``make_full(global_shape, dtype)``: the full
+    value, computed the same way on every rank (e.g. from a generator seeded alike), of which each rank keeps the
+    slice its shard covers (no communication)."""
+    full = make_full(target.shape, target.dtype)
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank slices its own copy of the full value instead of receiving rank 0's.
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)

@@ -1,0 +1,115 @@
+"""Pretrained safetensors read into a meta-built model (one process, no process group): the values equal
+``from_pretrained``'s exactly (one file and sharded with an index; buffers the checkpoint does not store are computed),
+and every way a directory can be wrong fails before anything is read, naming the file or the tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lightning_mm.checkpoint import CheckpointMismatchError, IncompleteCheckpointError, UnsafeCheckpointError
+from lightning_mm.models.hf import HFCausalLMModule
+from lightning_mm.models.hf.module import build_causal_lm
+from lightning_mm.models.hf.pretrained import load_pretrained, pretrained_key_map
+from tests.hf_models import LLAMA
+
+
+def _save(directory: Path, config=LLAMA, **kwargs) -> Path:
+    torch.manual_seed(5)
+    build_causal_lm(config).to(torch.bfloat16).save_pretrained(directory, **kwargs)
+    return directory
+
+
+def _meta_loaded(directory: Path) -> torch.nn.Module:
+    model = build_causal_lm(None, str(directory), empty=True)
+    assert all(param.is_meta for param in model.parameters())
+    key_map = pretrained_key_map(model, directory)
+    model.to_empty(device="cpu")
+    load_pretrained(model, directory, key_map)
+    return model
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_meta_build_then_load_equals_from_pretrained(tmp_path, sharded):
+    directory = _save(tmp_path / "llama", max_shard_size="20KB" if sharded else "5GB")
+    assert (directory / "model.safetensors.index.json").exists() == sharded
+    loaded = _meta_loaded(directory)
+    whole = build_causal_lm(None, str(directory))
+    assert loaded.dtype == whole.dtype == torch.float32  # the bf16 file is cast to the run's dtype
+    expected = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
+    got = {**dict(loaded.named_parameters()), **dict(loaded.named_buffers())}
+    assert set(got) == set(expected) and any("inv_freq" in name for name in got)  # rotary buffers computed
+    for name, value in got.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_module_builds_in_configure_model(tmp_path):
+    directory = _save(tmp_path / "llama")
+    module = HFCausalLMModule(pretrained=str(directory))
+    with pytest.raises(RuntimeError, match="configure_model"):
+        module.parallel_plan()
+    module.configure_model()  # outside a Trainer: from_pretrained, whole, in training mode
+    assert module.model.training and not any(param.is_meta for param in module.parameters())
+    stored = load_file(str(directory / "model.safetensors"))
+    torch.testing.assert_close(module.model.lm_head.weight, stored["lm_head.weight"].float(), rtol=0, atol=0)
+
+
+def _rewrite(directory: Path, change) -> None:
+    tensors = load_file(str(directory / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_mismatched_files_are_refused_naming_the_tensors(tmp_path):
+    cases = {
+        "missing": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight"),
+        "unexpected": (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), "model.extra.weight"),
+        "shape": (
+            lambda t: t.update({"model.norm.weight": torch.zeros(3)}),
+            r"model.norm.weight \(file \(3,\), model \(32,\)\)",
+        ),
+    }
+    for case, (change, named) in cases.items():
+        directory = _save(tmp_path / case)
+        _rewrite(directory, change)
+        model = build_causal_lm(None, str(directory), empty=True)
+        with pytest.raises(CheckpointMismatchError, match=named):
+            pretrained_key_map(model, directory)
+
+
+def test_unsafe_or_incomplete_directories_are_refused(tmp_path):
+    outside = _save(tmp_path / "outside")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        (linked / name).write_bytes((outside / name).read_bytes())
+    os.symlink(outside / "model.safetensors", linked / "model.safetensors")
+    model = build_causal_lm(None, str(linked), empty=True)
+    with pytest.raises(UnsafeCheckpointError, match="outside"):
+        pretrained_key_map(model, linked)
+
+    sharded = _save(tmp_path / "sharded", max_shard_size="20KB")
+    first = sorted(sharded.glob("model-*.safetensors"))[0]
+    first.rename(tmp_path / first.name)
+    with pytest.raises(IncompleteCheckpointError, match=first.name):
+        pretrained_key_map(model, sharded)
+    (tmp_path / first.name).rename(first)
+    (sharded / "adapter_model.safetensors").write_bytes(first.read_bytes())
+    with pytest.raises(CheckpointMismatchError, match="adapter_model.safetensors"):
+        pretrained_key_map(model, sharded)
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        pretrained_key_map(model, pickled)
+    index = sharded / "model.safetensors.index.json"
+    (sharded / "adapter_model.safetensors").unlink()
+    index.write_text(json.dumps({"weights": {}}))
+    with pytest.raises(IncompleteCheckpointError, match="not a safetensors index"):
+        pretrained_key_map(model, sharded)
