@@ -35,7 +35,8 @@ and ``LightningModule.load_from_checkpoint`` reads.
 Modules: :mod:`.errors` (the error classes and file names), :mod:`.safe_pickle` (``safe_load`` and the restricted
 ``.metadata`` unpickler), :mod:`.files` (no-follow file access and DCP's reader / planners on top of it),
 :mod:`.publish` (atomic writes, the ``COMPLETE`` marker, publishing and recovery), :mod:`.sharded` (save, load,
-consolidate). Everything public is importable from ``lightning_mm.checkpoint``.
+consolidate), :mod:`.hf_safetensors` (Hugging Face safetensors read straight into a model's shards). Everything
+public is importable from ``lightning_mm.checkpoint``.
 """
 
 from lightning_mm.checkpoint.errors import (
@@ -49,6 +50,7 @@ from lightning_mm.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 from lightning_mm.checkpoint.files import SafeFileSystemReader, SafeLoadPlanner
+from lightning_mm.checkpoint.hf_safetensors import load_safetensors, safetensors_shapes
 from lightning_mm.checkpoint.publish import check_complete, fsync_path, recover_checkpoint, write_atomically
 from lightning_mm.checkpoint.safe_pickle import safe_load
 from lightning_mm.checkpoint.sharded import (
@@ -78,12 +80,14 @@ __all__ = [
     "consolidate_main",
     "fsync_path",
     "is_sharded_checkpoint",
+    "load_safetensors",
     "load_sharded",
     "optimizer_state_by_fqn",
     "optimizer_state_by_index",
     "read_topology",
     "recover_checkpoint",
     "safe_load",
+    "safetensors_shapes",
     "save_sharded",
     "write_atomically",
 ]

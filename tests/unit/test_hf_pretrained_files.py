@@ -12,7 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lightning_mm.checkpoint import CheckpointMismatchError, IncompleteCheckpointError, UnsafeCheckpointError
+from lightning_mm.checkpoint import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+)
 from lightning_mm.models.hf import HFCausalLMModule
 from lightning_mm.models.hf.module import build_causal_lm
 from lightning_mm.models.hf.pretrained import load_pretrained, pretrained_key_map
@@ -113,3 +118,44 @@ def test_unsafe_or_incomplete_directories_are_refused(tmp_path):
     index.write_text(json.dumps({"weights": {}}))
     with pytest.raises(IncompleteCheckpointError, match="not a safetensors index"):
         pretrained_key_map(model, sharded)
+
+
+def test_slices_are_read_by_position_and_cast(tmp_path):
+    """The positioned reader (not safetensors' map) on every shape kind: a scalar, rows and a column slice of a 3-D
+    tensor (what tensor-parallel shards read), bf16 cast to float32; a truncated file names itself."""
+    from lightning_mm.checkpoint.hf_safetensors import load_safetensors
+
+    stored = {"scale": torch.tensor(2.5), "cube": torch.randn(5, 4, 3).to(torch.bfloat16), "empty": torch.zeros(3, 0)}
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    targets = {"scale": torch.zeros(()), "cube": torch.zeros(5, 4, 3), "empty": torch.zeros(3, 0)}
+    load_safetensors(targets, tmp_path)
+    for key, value in stored.items():
+        torch.testing.assert_close(targets[key], value.float(), rtol=0, atol=0)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-10])
+    with pytest.raises(IncompleteCheckpointError, match="model.safetensors' is truncated"):
+        load_safetensors({"cube": torch.zeros(5, 4, 3)}, tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CorruptCheckpointError, match="not a safetensors file"):
+        load_safetensors({"cube": torch.zeros(5, 4, 3)}, tmp_path)
+
+
+def test_fine_tuned_pretrained_model_exports_without_reading_the_base(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mm.models.hf import export_pretrained
+    from tests.helpers import quiet_trainer
+    from tests.hf_models import token_batches
+
+    directory = _save(tmp_path / "llama")
+    module = HFCausalLMModule(pretrained=str(directory), learning_rate=1e-2)
+    trainer = quiet_trainer(1, "auto", max_steps=2)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(token_batches(0, 1, 2), batch_size=None))
+    trainer.save_checkpoint(tmp_path / "tuned.ckpt")
+    (directory / "model.safetensors").unlink()  # the export takes the config only; every weight is in the checkpoint
+    out = export_pretrained(tmp_path / "tuned.ckpt", tmp_path / "exported")
+    ids = torch.arange(1, 13).reshape(2, 6)
+    module.eval()
+    exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, use_safetensors=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, module(ids), rtol=1e-6, atol=1e-6)

@@ -5,6 +5,9 @@
   that declares its own parallelization (:func:`~lightning_mm.models.hf.parallelize.causal_lm_parallel_plan`):
   FSDP2 units, tensor parallel from the model's ``base_model_tp_plan``, a pipeline split with the global-token-count
   loss.
+* :func:`load_pretrained` / :func:`pretrained_key_map`: a local Hugging Face directory read into a meta-built,
+  parallelised model, each rank reading only its shards' slices (what ``HFCausalLMModule(pretrained=DIR)`` does under
+  ``HybridParallelStrategy``, :mod:`lightning_mm.models.hf.pretrained`).
 * :func:`~lightning_mm.models.hf.export.export_pretrained`: a checkpoint of any mesh -> a directory that
   ``AutoModelForCausalLM.from_pretrained`` (or ``PeftModel.from_pretrained`` for adapters) loads.
 
@@ -34,6 +37,7 @@ from lightning_mm.models.hf.parallelize import (
     causal_lm_parallel_plan,
     decoder_layout,
 )
+from lightning_mm.models.hf.pretrained import load_pretrained, pretrained_key_map
 
 __all__ = [
     "PIPELINE_FAMILIES",
@@ -47,4 +51,6 @@ __all__ = [
     "causal_lm_parallel_plan",
     "decoder_layout",
     "export_pretrained",
+    "load_pretrained",
+    "pretrained_key_map",
 ]

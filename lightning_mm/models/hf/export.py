@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mm import checkpoint as ckpt
+from lightning_mm.models.hf.pretrained import init_derived_buffers
 
 __all__ = ["export_main", "export_pretrained", "load_module"]
 
@@ -39,6 +40,10 @@ def load_module(checkpoint: str | Path, weights_only: bool | None = True):
         raise ValueError(f"checkpoint {str(path)!r} has no hyper_parameters to rebuild HFCausalLMModule from")
     accepted = set(inspect.signature(HFCausalLMModule.__init__).parameters) - {"self", "model"}
     module = HFCausalLMModule(**{key: value for key, value in hparams.items() if key in accepted})
+    if module.model is None:  # a fine-tuned pretrained model: the checkpoint holds every weight, the base is not read
+        module.build_pretrained(empty=True)
+        module.to_empty(device="cpu")
+        init_derived_buffers(module.model)
     if path.is_dir():
         # no_dist: read every shard here, also when called on one rank of a running job (no collective)
         ckpt.load_sharded(path, module, (), strict=True, weights_only=weights_only, no_dist=True)

@@ -133,12 +133,18 @@ class HFCausalLMModule(L.LightningModule):
             return
         strategy = self._trainer.strategy if self._trainer is not None else None
         empty = materializes_meta_modules(strategy)
+        self.build_pretrained(empty)
+        if empty:  # (checked against the files now, before anything is sharded)
+            self._pretrained_keys = pretrained_key_map(self.model, self.hparams.pretrained)
+
+    def build_pretrained(self, empty: bool = False) -> None:
+        """Build the ``pretrained`` model (with its LoRA adapters): whole with ``from_pretrained``, or with ``empty``
+        on the meta device from the directory's config, no weight read (a checkpoint or
+        :func:`~lightning_mm.models.hf.pretrained.load_pretrained` fills it)."""
         model = build_causal_lm(
             None, self.hparams.pretrained, attn_implementation=self.hparams.attn_implementation, empty=empty
         )
         self.model = self._with_adapters(model)
-        if empty:  # (checked against the files now, before anything is sharded)
-            self._pretrained_keys = pretrained_key_map(self.model, self.hparams.pretrained)
 
     def _with_adapters(self, model: nn.Module) -> nn.Module:
         if self.hparams.lora is None:

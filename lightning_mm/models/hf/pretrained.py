@@ -33,7 +33,7 @@ from lightning_mm.checkpoint.errors import CheckpointMismatchError
 from lightning_mm.checkpoint.hf_safetensors import load_safetensors, safetensors_shapes
 from lightning_mm.parallel.materialize import fill_from_full
 
-__all__ = ["init_lora_adapters", "load_pretrained", "pretrained_key_map"]
+__all__ = ["init_derived_buffers", "init_lora_adapters", "load_pretrained", "pretrained_key_map"]
 
 _LORA_MARKERS = (".lora_", ".lora_magnitude_vector")
 
@@ -135,7 +135,7 @@ def _buffer_owners(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module
 
 
 @torch.no_grad()
-def _init_derived_buffers(model: nn.Module) -> None:
+def init_derived_buffers(model: nn.Module) -> None:
     """Compute the buffers (rotary frequencies, position ids) the way the model's own ``_init_weights`` does: after
     ``to_empty`` they hold garbage, and checkpoints do not store them. Runs before the weights are read (it may
     touch its module's parameters too)."""
@@ -156,7 +156,7 @@ def load_pretrained(
     for key, name in key_map.items():
         if name in held:  # (other pipeline stages' layers are not here)
             targets[key] = held[name]
-    _init_derived_buffers(_base(model))
+    init_derived_buffers(_base(model))
     load_safetensors(targets, directory)
     if lora_seed is not None:
         init_lora_adapters(model, lora_seed)
