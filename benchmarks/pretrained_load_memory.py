@@ -17,7 +17,10 @@ batch (``VmHWM`` after resetting it through ``/proc/self/clear_refs``, minus ``V
 built, after a first fit of a small model has loaded the code every fit needs), as a multiple of the model's
 float32 bytes, against the bound 1 / N + 0.15; seconds from building the
 module to the first batch; and the first training loss (every layout must give the same). Meshes: fsdp on
-N = 1, 2, 4 ranks (both paths), tp2 x fsdp2 and pp2 x fsdp2 on 4 (sharded). Writes
+N = 1, 2, 4 ranks (both paths), tp2 x fsdp2 and pp2 x fsdp2 on 4 (sharded). Then ``export-hf`` of the fsdp4
+run's sharded checkpoint in a fresh process (after exporting the small model's): its peak RSS against the bound
+0.3 x the model's bytes + its largest tensor, and the exported directory's logits (``from_pretrained``) against the
+checkpoint's module loaded whole. Writes
 ``benchmarks/results/pretrained_load_memory.json`` (not with ``--quick``) and prints a table.
 
 RSS counts the file pages a rank has touched while the safetensors file is mapped: a rank reading a row-sharded
@@ -62,6 +65,7 @@ RUNS = [
     ("tp2_fsdp2", "sharded"),
     ("pp2_fsdp2", "sharded"),
 ]
+EXPORTED = ("fsdp4", "sharded")  # the run whose sharded checkpoint export-hf writes as a Hugging Face directory
 SEQUENCE, GLOBAL_ROWS = 32, 4  # one global batch for every mesh: the first losses must agree
 
 
@@ -71,6 +75,12 @@ def _status(field: str) -> int:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _tensor_sizes(directory: Path) -> list[int]:
+    from lightning_mm.checkpoint import safetensors_shapes
+
+    return [shape.numel() for shape in safetensors_shapes(directory).values()]
 
 
 def _write_model(directory: Path, hidden: int, layers: int, vocab: int) -> int:
@@ -94,16 +104,42 @@ def _write_model(directory: Path, hidden: int, layers: int, vocab: int) -> int:
     return count
 
 
-def _rank(rank: int, world: int, warmup: str, directory: str, mesh: str, path: str, vocab: int) -> dict:
+def _rank(
+    rank: int, world: int, warmup: str, directory: str, mesh: str, path: str, vocab: int, save: str | None
+) -> dict:
     """A first fit from the small ``warmup`` model loads the code every fit needs (imports, first-use caches), so the
-    measured fit counts the model only."""
+    measured fit counts the model only. ``save``: write both runs' sharded checkpoints there (for the export)."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    _fit(rank, world, warmup, mesh, path, 1000)
-    return _fit(rank, world, directory, mesh, path, vocab)
+    _fit(rank, world, warmup, mesh, path, 1000, save and f"{save}/warmup")
+    return _fit(rank, world, directory, mesh, path, vocab, save and f"{save}/model")
 
 
-def _fit(rank: int, world: int, directory: str, mesh: str, path: str, vocab: int) -> dict:
+def _export(rank: int, world: int, checkpoints: str, out: str, vocab: int) -> dict:
+    """``export_pretrained`` of the sharded checkpoint (after one of the warm-up model's), its peak RSS; then the
+    exported directory's logits against the checkpoint's module loaded whole."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mm.models.hf import export_pretrained
+    from lightning_mm.models.hf.export import load_module
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    export_pretrained(f"{checkpoints}/warmup", f"{out}/warmup")
+    Path("/proc/self/clear_refs").write_text("5")
+    before, start = _status("VmRSS"), time.perf_counter()
+    export_pretrained(f"{checkpoints}/model", f"{out}/model")
+    peak, seconds = _status("VmHWM") - before, time.perf_counter() - start
+    ids = torch.randint(1, vocab, (2, SEQUENCE), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = load_module(f"{checkpoints}/model").eval()(ids)
+        exported = AutoModelForCausalLM.from_pretrained(f"{out}/model", local_files_only=True).eval()
+        difference = (exported(input_ids=ids).logits - expected).abs().max().item()
+    files = sorted(p.name for p in Path(f"{out}/model").iterdir())
+    return {"peak_bytes": peak, "seconds": seconds, "max_logit_difference": difference, "files": files}
+
+
+def _fit(rank: int, world: int, directory: str, mesh: str, path: str, vocab: int, save: str | None = None) -> dict:
     from lightning_mm.models.hf import HFCausalLMModule
     from lightning_mm.models.hf.module import build_causal_lm
     from lightning_mm.strategies import HybridParallelStrategy
@@ -142,6 +178,8 @@ def _fit(rank: int, world: int, directory: str, mesh: str, path: str, vocab: int
         callbacks=[AtFirstBatch()],
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
+    if save:
+        trainer.save_checkpoint(save)
     return {
         "peak_bytes": marks["peak"] - marks["before"],
         "load_seconds": marks["ready"] - start,
@@ -167,8 +205,9 @@ def main() -> None:
         rows = []
         for mesh, path in RUNS:
             world = MESHES[mesh][0]
+            save = str(Path(tmp) / "checkpoints") if (mesh, path) == EXPORTED else None
             ranks = run_distributed(
-                _rank, world, str(warmup), str(directory), mesh, path, args.vocab, timeout=900, fresh=True
+                _rank, world, str(warmup), str(directory), mesh, path, args.vocab, save, timeout=900, fresh=True
             )
             peaks = [r["peak_bytes"] / model_bytes for r in ranks]
             row = {
@@ -188,6 +227,22 @@ def main() -> None:
                 f"{row['bound_x_model']:.3f}, {'ok' if row['within_bound'] else 'OVER'}), load "
                 f"{row['load_seconds_median']:.1f} s, first loss {row['first_loss']:.6f}"
             )
+        export = run_distributed(
+            _export, 1, str(Path(tmp) / "checkpoints"), str(Path(tmp) / "exported"), args.vocab, timeout=900, fresh=True
+        )[0]
+        largest = max(numel * 4 for numel in _tensor_sizes(directory))
+        export_bound = 0.3 * model_bytes + largest
+        export.update(
+            peak_x_model=round(export["peak_bytes"] / model_bytes, 3),
+            bound_bytes=export_bound,
+            within_bound=export["peak_bytes"] <= export_bound,
+        )
+        print(
+            f"export-hf of the {EXPORTED[0]} checkpoint: peak {export['peak_bytes'] / 1e6:.0f} MB = "
+            f"{export['peak_x_model']:.3f} x model (bound 0.3 x model + largest tensor = {export_bound / 1e6:.0f} MB, "
+            f"{'ok' if export['within_bound'] else 'OVER'}), {export['seconds']:.1f} s, files {export['files']}, "
+            f"logits vs the checkpoint's module: max difference {export['max_logit_difference']:.1e}"
+        )
     losses = [row["first_loss"] for row in rows]
     spread = max(losses) - min(losses)
     print(f"first losses agree within {spread:.2e} (one process to four ranks, both paths)")
@@ -200,6 +255,7 @@ def main() -> None:
                     "model": {"parameters": parameters, "float32_bytes": model_bytes, "file_dtype": "bfloat16"},
                     "first_loss_spread": spread,
                     "runs": rows,
+                    "export": export,
                 },
                 indent=2,
             )

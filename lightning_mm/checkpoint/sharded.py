@@ -200,6 +200,36 @@ def load_sharded(
     return metadata
 
 
+def model_tensor_shapes(path: str | Path, weights_only: bool | None = True) -> dict[str, torch.Size]:
+    """``{fqn: shape}`` of every model tensor in the checkpoint directory ``path`` (its ``.metadata`` only)."""
+    path = _newest_complete(Path(path))
+    check_complete(path)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_mm.checkpoint.files import SafeFileSystemReader
+
+    prefix = f"{MODEL_KEY}."
+    entries = SafeFileSystemReader(path, weights_only).read_metadata().state_dict_metadata
+    return {
+        key[len(prefix) :]: entry.size
+        for key, entry in entries.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def read_model_tensors(path: str | Path, targets: Mapping[str, torch.Tensor], weights_only: bool | None = True) -> None:
+    """Fill ``targets`` (``{fqn: tensor}``, full-size plain tensors) with those model tensors of the checkpoint
+    directory ``path``, in this process alone (no collective): what a streaming export reads a group at a time, so
+    only the group and one stored chunk are in memory."""
+    path = _newest_complete(Path(path))
+    state = {MODEL_KEY: dict(targets)}
+    _dcp_load(
+        lambda reader: dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(weights_only), no_dist=True),
+        path,
+        weights_only,
+    )
+
+
 @contextmanager
 def _applying(path: Path, what: str) -> Generator[None, None, None]:
     """Errors of torch's ``set_*_state_dict`` on what a checkpoint held (e.g. a ``param_groups`` entry of another

@@ -159,3 +159,41 @@ def test_fine_tuned_pretrained_model_exports_without_reading_the_base(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, use_safetensors=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=ids).logits, module(ids), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "llava"])
+def test_streaming_export_writes_what_save_pretrained_writes(tmp_path, name):
+    """export-hf of a sharded checkpoint streams groups of tensors into safetensors files (here several, with an
+    index): the same keys as ``save_pretrained`` (LLaVA: its legacy layout; a tied embedding once), and
+    ``from_pretrained`` gives the module's logits."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from lightning_mm.checkpoint import TOPOLOGY_KEY, save_sharded
+    from lightning_mm.models.hf import export_pretrained
+    from tests.hf_models import IMAGE_TOKEN, LLAVA
+
+    config = {**LLAMA, "tie_word_embeddings": True} if name == "llama_tied" else LLAVA
+    torch.manual_seed(3)
+    module = HFCausalLMModule(config=config)
+    save_sharded(
+        tmp_path / "ckpt", module.state_dict(), [], {"hyper_parameters": dict(module.hparams), TOPOLOGY_KEY: {}}
+    )
+    out = export_pretrained(tmp_path / "ckpt", tmp_path / "out", max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    module.model.save_pretrained(tmp_path / "reference")
+    with safe_open(str(tmp_path / "reference" / "model.safetensors"), "pt") as reference:
+        assert set(index["weight_map"]) == set(reference.keys())
+    auto = AutoModelForImageTextToText if name == "llava" else AutoModelForCausalLM
+    exported = auto.from_pretrained(out, local_files_only=True).eval()
+    module.eval()
+    ids = torch.arange(1, 13).reshape(2, 6)
+    extra = {}
+    if name == "llava":
+        ids = torch.cat([torch.full((2, 16), IMAGE_TOKEN), ids], dim=1)
+        extra["pixel_values"] = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        got = exported(input_ids=ids, **extra).logits
+        expected = module(ids, None, extra.get("pixel_values"))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -2,32 +2,33 @@
 
 ``lightning-mm export-hf CKPT OUT`` (or :func:`export_pretrained`) reads a sharded checkpoint directory written by
 ``HybridParallelStrategy`` (any mesh; DCP reads every shard in this one process) or a one-file checkpoint, rebuilds
-the module from the checkpoint's hyper-parameters, loads the weights and writes ``OUT`` with ``save_pretrained``
-(safetensors): the full model, which ``AutoModelForCausalLM.from_pretrained(OUT)`` loads, or, for a LoRA run, the
-adapters in peft's format, which ``PeftModel.from_pretrained(base_model, OUT)`` loads (``merged=True`` writes the
-base model with the adapters merged in instead). Everything is read safely (no pickle beyond plain containers) and
-``OUT`` appears complete or not at all (written beside it, then renamed).
+the module from the checkpoint's hyper-parameters on the meta device (no weight of a ``pretrained`` base is read:
+the checkpoint holds them all) and writes ``OUT`` in ``save_pretrained``'s layout (safetensors, the family's own key
+layout, a tied weight once): the full model, which ``AutoModelForCausalLM.from_pretrained(OUT)`` loads, or, for a
+LoRA run, the adapters in peft's format, which ``PeftModel.from_pretrained(base_model, OUT)`` loads (``merged=True``
+writes the base model with the adapters merged in instead). A model from a sharded directory is streamed, a group of
+tensors at a time, never whole in memory (:func:`export_pretrained`). Everything is read safely (no pickle beyond
+plain containers) and ``OUT`` appears complete or not at all (written beside it, then renamed).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_mm import checkpoint as ckpt
-from lightning_mm.models.hf.pretrained import init_derived_buffers
+from lightning_mm.models.hf.pretrained import init_derived_buffers, is_adapter_name
 
 __all__ = ["export_main", "export_pretrained", "load_module"]
 
 
-def load_module(checkpoint: str | Path, weights_only: bool | None = True):
-    """The ``HFCausalLMModule`` of ``checkpoint`` (a sharded directory or one file), in this process, full weights."""
-    from lightning_mm.models.hf.module import HFCausalLMModule
-
-    path = Path(checkpoint)
+def _read_hparams(path: Path, weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
     if path.is_dir():
         ckpt.check_complete(path)
         metadata = ckpt.safe_load(path / ckpt.METADATA_FILE, str(path / ckpt.METADATA_FILE), weights_only)
@@ -38,12 +39,28 @@ def load_module(checkpoint: str | Path, weights_only: bool | None = True):
     hparams = metadata.get("hyper_parameters")
     if not isinstance(hparams, dict):
         raise ValueError(f"checkpoint {str(path)!r} has no hyper_parameters to rebuild HFCausalLMModule from")
+    return metadata, hparams
+
+
+def _empty_module(hparams: dict[str, Any]):
+    """The checkpoint's ``HFCausalLMModule`` on the meta device: no weight read (the checkpoint holds them all)."""
+    from lightning_mm.models.hf.module import HFCausalLMModule
+
     accepted = set(inspect.signature(HFCausalLMModule.__init__).parameters) - {"self", "model"}
-    module = HFCausalLMModule(**{key: value for key, value in hparams.items() if key in accepted})
-    if module.model is None:  # a fine-tuned pretrained model: the checkpoint holds every weight, the base is not read
-        module.build_pretrained(empty=True)
-        module.to_empty(device="cpu")
-        init_derived_buffers(module.model)
+    with torch.device("meta"):
+        module = HFCausalLMModule(**{key: value for key, value in hparams.items() if key in accepted})
+        if module.model is None:  # a fine-tuned pretrained model: its directory's config only
+            module.build_pretrained(empty=True)
+    return module
+
+
+def load_module(checkpoint: str | Path, weights_only: bool | None = True):
+    """The ``HFCausalLMModule`` of ``checkpoint`` (a sharded directory or one file), in this process, full weights."""
+    path = Path(checkpoint)
+    metadata, hparams = _read_hparams(path, weights_only)
+    module = _empty_module(hparams)
+    module.to_empty(device="cpu")
+    init_derived_buffers(module.model)
     if path.is_dir():
         # no_dist: read every shard here, also when called on one rank of a running job (no collective)
         ckpt.load_sharded(path, module, (), strict=True, weights_only=weights_only, no_dist=True)
@@ -53,26 +70,124 @@ def load_module(checkpoint: str | Path, weights_only: bool | None = True):
 
 
 def export_pretrained(
-    checkpoint: str | Path, output: str | Path, merged: bool = False, weights_only: bool | None = True
+    checkpoint: str | Path,
+    output: str | Path,
+    merged: bool = False,
+    weights_only: bool | None = True,
+    max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write ``checkpoint`` (module docstring) to the new directory ``output``; returns it."""
-    output = Path(output)
+    """Write ``checkpoint`` (module docstring) to the new directory ``output``; returns it.
+
+    A sharded checkpoint directory of a model (or of a LoRA run with ``merged=True``) is streamed: the module is built
+    on the meta device, and its tensors are read from the checkpoint and written to safetensors files a group of at
+    most ``max_shard_bytes`` at a time (default: an eighth of the model, at most 5 GB; more than one file gets
+    ``model.safetensors.index.json``), so the process holds one group and one stored chunk, never the model. LoRA
+    adapters (small) and one-file checkpoints (written by one process, which held the model) go through
+    ``save_pretrained``."""
+    output, path = Path(output), Path(checkpoint)
     if output.exists():
         raise FileExistsError(f"OUT {str(output)!r} exists; give a new directory")
-    module = load_module(checkpoint, weights_only)
-    model = module.model
-    if merged and module.hparams.lora is not None:
-        model = model.merge_and_unload()
     staging = output.with_name(f".{output.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        model.save_pretrained(staging, safe_serialization=True)
+        _, hparams = _read_hparams(path, weights_only)
+        if path.is_dir() and (merged or hparams.get("lora") is None):
+            _stream_model(_empty_module(hparams), path, staging, weights_only, max_shard_bytes)
+        else:
+            module = load_module(checkpoint, weights_only)
+            model = module.model
+            if merged and module.hparams.lora is not None:
+                model = model.merge_and_unload()
+            model.save_pretrained(staging, safe_serialization=True)
         for file in staging.iterdir():
             ckpt.fsync_path(file)
         staging.rename(output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output
+
+
+def _saved_names(module) -> dict[str, str]:
+    """``{module fqn: the key save_pretrained would write}`` for each tensor the exported model stores: adapters
+    left out, peft's ``base_layer`` looked through, a tied weight once (its first name, as transformers keeps the
+    input embedding), keys put back in the layout the model's family saves (transformers' own reverse conversion)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    base = module.causal_lm
+    prefix = next(name for name, sub in module.named_modules() if sub is base)
+    saved: dict[str, torch.Tensor] = {}
+    fqn_of: dict[int, str] = {}
+    for key, tensor in base.state_dict(keep_vars=True).items():
+        if is_adapter_name(key) or id(tensor) in fqn_of:
+            continue
+        fqn_of[id(tensor)] = f"{prefix}.{key}"
+        saved[key.replace(".base_layer.", ".")] = tensor
+    return {fqn_of[id(tensor)]: name for name, tensor in revert_weight_conversion(base, saved).items()}
+
+
+def _lora_deltas(module) -> dict[str, tuple[str, str, float]]:
+    """``{base weight fqn: (lora_A fqn, lora_B fqn, scaling)}`` of a LoRA run, for merging ``W + scaling * B @ A``."""
+    deltas: dict[str, tuple[str, str, float]] = {}
+    for name, sub in module.named_modules():
+        if hasattr(sub, "base_layer") and hasattr(sub, "lora_A") and "default" in getattr(sub, "lora_A", {}):
+            if getattr(sub, "use_dora", {}).get("default"):
+                raise ValueError("export-hf --merged: DoRA adapters are not merged by the streaming export")
+            deltas[f"{name}.base_layer.weight"] = (
+                f"{name}.lora_A.default.weight",
+                f"{name}.lora_B.default.weight",
+                float(sub.scaling["default"]),
+            )
+    return deltas
+
+
+def _stream_model(module, path: Path, staging: Path, weights_only: bool | None, max_shard_bytes: int | None) -> None:
+    from safetensors.torch import save_file
+
+    names = _saved_names(module)
+    meta = dict(module.named_parameters())
+    meta.update(dict(module.named_buffers()))
+    stored = ckpt.model_tensor_shapes(path, weights_only)
+    missing = sorted(fqn for fqn in names if fqn not in stored)
+    if missing:
+        raise ckpt.CheckpointMismatchError(f"checkpoint {str(path)!r} lacks model tensors: {missing[:8]}")
+    deltas = _lora_deltas(module) if module.hparams.lora is not None else {}
+    total = sum(meta[fqn].numel() * meta[fqn].element_size() for fqn in names)
+    # (save_file copies a group's tensors into bytes: a group costs twice its size while it is written)
+    limit = max_shard_bytes or max(1 << 20, min(5_000_000_000, total // 8))
+    groups: list[list[str]] = [[]]
+    size = 0
+    for fqn in names:
+        nbytes = meta[fqn].numel() * meta[fqn].element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(fqn)
+        size += nbytes
+    staging.mkdir(parents=True)
+    files = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    weight_map: dict[str, str] = {}
+    for group, file in zip(groups, files, strict=True):
+        wanted = set(group) | {part for fqn in group if fqn in deltas for part in deltas[fqn][:2]}
+        tensors = {fqn: torch.empty(meta[fqn].shape, dtype=meta[fqn].dtype) for fqn in wanted}
+        ckpt.read_model_tensors(path, tensors, weights_only)
+        for fqn in group:
+            if fqn in deltas:
+                a, b, scaling = deltas[fqn]
+                tensors[fqn].add_(tensors[b] @ tensors[a], alpha=scaling)
+        save_file({names[fqn]: tensors[fqn] for fqn in group}, str(staging / file), metadata={"format": "pt"})
+        weight_map.update({names[fqn]: file for fqn in group})
+        del tensors
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    base = module.causal_lm
+    base.config.save_pretrained(staging)
+    if getattr(base, "generation_config", None) is not None and base.can_generate():
+        base.generation_config.save_pretrained(staging)
 
 
 def export_main(argv: Sequence[str]) -> int:

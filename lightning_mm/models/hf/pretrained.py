@@ -43,7 +43,8 @@ def _model_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _is_adapter(name: str) -> bool:
+def is_adapter_name(name: str) -> bool:
+    """Whether ``name`` is a peft LoRA adapter's parameter."""
     return any(marker in name for marker in _LORA_MARKERS)
 
 
@@ -74,7 +75,9 @@ def _renamer(model: nn.Module):
 def _unique_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state (plain names) with each tied tensor once, adapters left out."""
     return {
-        _model_name(name): tensor for name, tensor in model.state_dict(keep_vars=True).items() if not _is_adapter(name)
+        _model_name(name): tensor
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if not is_adapter_name(name)
     }
 
 
