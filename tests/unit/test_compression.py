@@ -264,6 +264,20 @@ def _fake_trainer(model: nn.Module, data_parallel_size: int) -> SimpleNamespace:
     return SimpleNamespace(strategy=strategy, world_size=data_parallel_size)
 
 
+def test_defaults_are_the_adam_safe_codec():
+    """``CompressedAllToAll()`` is T1 (dense INT4, rotated blocks, bf16 scales, error feedback), which AdamW accepts;
+    unset codec arguments elsewhere keep INT8 / float32 / no rotation."""
+    default = CompressedAllToAll()
+    assert (default.config.topk_ratio, default.config.bits, default.config.rotation) == (1.0, 4, True)
+    assert default.config.scale_dtype == "bfloat16" and default.error_feedback
+    topk = CompressedAllToAll(topk_ratio=0.01, allow_topk_with_adaptive_optimizer=True)
+    assert (topk.config.bits, topk.config.rotation, topk.config.scale_dtype) == (8, False, "float32")
+    moe = CompressedAllToAll(targets=("moe",))
+    assert (moe.config.bits, moe.config.rotation, moe.config.scale_dtype) == (8, False, "float32")
+    int8 = CompressedAllToAll(bits=8)
+    assert (int8.config.bits, int8.config.rotation, int8.config.scale_dtype) == (8, False, "float32")
+
+
 def test_callback_without_a_data_parallel_sync_warns_and_does_nothing():
     model = nn.Linear(2, 2)
     callback = CompressedAllToAll()
