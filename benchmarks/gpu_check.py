@@ -34,6 +34,11 @@ so a run killed by the time limit still leaves what it measured:
    peak: ratio and whether it is within 20 %.
    Without CUDA (``--allow-cpu``) the plan is computed and the steps run, but there is no allocator peak to compare:
    the report says so (``benchmarks/plan_validation.py`` is the CPU comparison).
+6. ``pretrained`` (unless ``--skip-pretrained``, and only when 120 s of ``--max-seconds`` are left): a
+   Llama-3.2-1B-shaped Hugging Face directory written locally, then trained from it through the sharded loading
+   path (meta device, positioned reads into the device's parameters) for two bf16-mixed steps: load seconds, host
+   peak RSS and device peak before the first step as multiples of the float32 model
+   (``benchmarks/gpu_pretrained_phase.py``; ``--pretrained-size tiny`` on CPU).
 
 MFU = model FLOPs of a step / median step time / peak dense bf16 FLOP/s of the GPU (H100/H200 SXM 989e12,
 A100 312e12, ...; from the device name, ``--peak-tflops`` overrides; the value used is reported). Model
@@ -857,6 +862,8 @@ def print_summary(report: dict) -> None:
         )
         for name, check in nccl["checks"].items():
             print(f"  {name:40} {'pass' if check['passed'] else 'FAIL ' + check.get('error', '')}")
+    if "pretrained" in report:
+        print(f"\n== pretrained: {json.dumps(report['pretrained'], default=str)[:600]}")
     train = report.get("train", {})
     if train.get("step_seconds_median"):
         gib = train.get("max_memory_allocated_bytes", train.get("cpu_max_rss_bytes", 0)) / 2**30
@@ -994,6 +1001,10 @@ def main() -> int:
     parser.add_argument(
         "--skip-plan", action="store_true", help="skip running `lightning-mm plan`'s top choice against its estimate"
     )
+    parser.add_argument("--skip-pretrained", action="store_true", help="skip the pretrained-loading phase")
+    parser.add_argument(
+        "--pretrained-size", choices=("1b", "tiny"), default=None, help="pretrained phase model (1b with CUDA)"
+    )
     parser.add_argument("--no-oom-backoff", action="store_true", help="fail on OOM instead of halving --rows")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU when there is no CUDA (tests the script)")
     parser.add_argument(
@@ -1091,6 +1102,22 @@ def main() -> int:
                 report.setdefault("plan", {}).update(
                     error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
                 )
+                traceback.print_exc()
+                passed = False
+        save()
+    if not args.skip_pretrained and not import_error:
+        left = START + args.max_seconds - time.monotonic()
+        if left < 120:
+            report["pretrained"] = {"skipped": f"only {left:.0f} s of --max-seconds left"}
+        else:
+            try:
+                from gpu_pretrained_phase import pretrained_check
+
+                size = args.pretrained_size or ("1b" if cuda else "tiny")
+                report["pretrained"] = pretrained_check(size, device)
+                passed &= report["pretrained"]["passed"]
+            except Exception as exc:  # recorded, then reported through the exit status
+                report["pretrained"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
                 traceback.print_exc()
                 passed = False
         save()
