@@ -42,12 +42,13 @@ from lightning_mm.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["INDEX_FILE", "load_safetensors", "safetensors_shapes"]
+__all__ = ["INDEX_FILE", "READ_CHUNK_BYTES", "load_safetensors", "safetensors_shapes"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _SUFFIX = ".safetensors"
 _SHOWN = 8  # names listed in an error before "... and N more"
-_CHUNK_BYTES = 64 << 20  # rows read at once
+READ_CHUNK_BYTES = 64 << 20
+"""The most a rank reads at once beside its shards (rows of one tensor)."""
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -170,7 +171,7 @@ class _SliceReader(HuggingFaceStorageReader):
             target.copy_(torch.frombuffer(_read_exactly(file, start, dtype.itemsize, shown), dtype=dtype).reshape(()))
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
         inner = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets[1:], item.lengths[1:], strict=True))
-        rows_per_chunk = max(1, _CHUNK_BYTES // max(1, row_bytes))
+        rows_per_chunk = max(1, READ_CHUNK_BYTES // max(1, row_bytes))
         for first in range(0, item.lengths[0] if shape and row_bytes else 0, rows_per_chunk):
             count = min(rows_per_chunk, item.lengths[0] - first)
             position = start + (item.storage_offsets[0] + first) * row_bytes

@@ -29,7 +29,8 @@ def format_table(candidates: Sequence[Candidate], hardware: Hardware, top: int |
     unit, scale = ("MiB", 2**20) if small else ("GiB", GIB)
     header = (
         f"{'#':>3} {'mesh':34} {'AC':3} {'fits':4} {'peak ' + unit:>9} {'state':>7} {'act':>7} {'other':>7} "
-        f"{'step ms':>9} {'compute':>9} {'comm':>9} {'bubble':>9} {'intra GB':>9} {'inter GB':>9}  axes (GB/step)"
+        f"{'load':>7} {'step ms':>9} {'compute':>9} {'comm':>9} {'bubble':>9} {'intra GB':>9} {'inter GB':>9}  "
+        "axes (GB/step)"
     )
     lines = [header, "-" * len(header)]
     for i, c in enumerate(rows, 1):
@@ -46,6 +47,7 @@ def format_table(candidates: Sequence[Candidate], hardware: Hardware, top: int |
         lines.append(
             f"{i:>3} {mesh:34} {'on' if c.activation_checkpointing else 'off':3} {'yes' if c.fits else 'NO':4} "
             f"{c.peak_bytes / scale:9.2f} {state / scale:7.2f} {m['activations'] / scale:7.2f} {other / scale:7.2f} "
+            f"{m['load'] / scale:7.2f} "
             f"{t['step']:>9} {t['compute']:>9} {t['exposed_comm']:>9} {t['bubble']:>9} "
             f"{c.comm_bytes['intra'] / 1e9:9.3g} {c.comm_bytes['inter'] / 1e9:9.3g}  {axes or '-'}"
         )
@@ -54,7 +56,9 @@ def format_table(candidates: Sequence[Candidate], hardware: Hardware, top: int |
         f"fits: peak <= {hardware.usable_memory_fraction:.0%} of {_gib(hardware.memory_bytes)} GiB = {_gib(budget)} GiB"
         "; state = parameters + gradients + AdamW states; act = saved activations (all microbatches in flight); "
         "other = the rest at the peak (batch, unsharded FSDP parameters and gradients, loss and pipeline buffers, "
-        "recomputation); comm = exposed communication; * = inter-node axis"
+        "recomputation); load = the peak while a pretrained checkpoint is read into this rank's shards (its fp32 "
+        "shards + one read chunk; loading the whole model on every rank would hold all of it); comm = exposed "
+        "communication; * = inter-node axis"
     )
     return "\n".join(lines)
 

@@ -12,6 +12,11 @@ from lightning_mm.planning.mesh import Mesh
 from lightning_mm.planning.shapes import ModelShape, ParamShape
 from lightning_mm.planning.workload import Geometry, StepSchedule
 
+READ_CHUNK_BYTES = 64 << 20
+"""What a rank reads at once beside its shards while loading a pretrained checkpoint: the value of
+``lightning_mm.checkpoint.hf_safetensors.READ_CHUNK_BYTES``, not imported (the planner imports no torch; a test keeps
+them equal)."""
+
 REDUCTION_BYTES = 4  # FSDP2 reduces gradients in fp32 in both precisions
 
 
@@ -211,7 +216,8 @@ def stage_memory(
     optimizer step, with ``a`` bytes per activation element: the terms (``params``, ``grads``, ``optimizer``,
     ``batch``, ``pipeline_buffers``, ``unsharded_params``, ``activations`` of every microbatch in flight,
     ``activations_per_microbatch``, ``recompute``, ``logits_transient``), ``in_flight`` (microbatches), the bytes at
-    each moment of the step (``moments``) and the largest (``peak``, at ``peak_moment``). Keys that start with ``_``
+    each moment of the step (``moments``) and the largest (``peak``, at ``peak_moment``), and the peak while a
+    pretrained checkpoint is loaded into this rank's shards (``load``). Keys that start with ``_``
     are for the traffic and time estimates and are not reported."""
     p_bytes = a  # unsharded parameter dtype
     geo, microbatches = schedule.geo, schedule.microbatches
@@ -256,6 +262,10 @@ def stage_memory(
     recompute = max(acts.block_saved, default=0.0) if activation_checkpointing else 0.0
     block_full = max((v for k, v in state.unit_full.items() if k is not None), default=0)
     moment = max(moments, key=moments.get)
+    # Loading a pretrained checkpoint shard by shard (meta device, then each rank reads its slices): this rank's fp32
+    # shards and one read chunk; the whole-model load it replaces held every parameter on every rank first.
+    largest = max((4 * numel for numel, _ in state.local.values()), default=0)
+    load = params + min(READ_CHUNK_BYTES, largest)
     return {
         "stage": stage,
         "units": len(stage_units),
@@ -272,6 +282,7 @@ def stage_memory(
         "in_flight": in_flight,
         "peak": moments[moment],
         "peak_moment": moment,
+        "load": load,
         "moments": moments,
         "_units": units,
         "_root_full": state.root_full,

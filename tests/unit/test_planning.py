@@ -255,3 +255,17 @@ def test_planning_for_an_hf_config_imports_no_lightning(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_load_peak_is_the_ranks_shards_plus_one_read_chunk(llama):
+    """The planner's ``load`` (pretrained checkpoint read into this rank's shards) = its fp32 shards + one read chunk
+    of at most ``READ_CHUNK_BYTES`` (the loader's own constant), so it shrinks with dp_shard as the shards do."""
+    from lightning_mm.checkpoint.hf_safetensors import READ_CHUNK_BYTES as LOADER_CHUNK
+    from lightning_mm.planning.memory import READ_CHUNK_BYTES
+
+    assert READ_CHUNK_BYTES == LOADER_CHUNK
+    largest = 4 * max(p.numel for p in llama.params)
+    single = evaluate(llama, Mesh(), fp32(global_batch=1), Hardware(devices=1)).memory
+    sharded = evaluate(llama, Mesh(dp_shard=2), fp32(global_batch=2), Hardware(devices=2)).memory
+    assert single["load"] == single["params"] + min(READ_CHUNK_BYTES, largest) <= single["peak"]
+    assert sharded["params"] < sharded["load"] <= sharded["params"] + min(READ_CHUNK_BYTES, largest) < single["load"]
