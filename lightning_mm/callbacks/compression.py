@@ -45,12 +45,20 @@ _STATE_VERSION = 1
 
 
 def _default_codec(
-    targets: tuple[str, ...], topk_ratio: float, bits: int | None, scale_dtype: str | None, rotation: bool | None
+    targets: tuple[str, ...],
+    topk_ratio: float,
+    block_size: int,
+    bits: int | None,
+    scale_dtype: str | None,
+    rotation: bool | None,
 ) -> tuple[int, str, bool]:
     """``(bits, scale_dtype, rotation)``: the Adam-safe T1 codec (INT4, rotated blocks, bf16 scales) when the codec is
-    left to its defaults on the dense gradient exchange alone; otherwise each unset argument's plain default (INT8,
-    float32 scales, no rotation), the setting measured on the expert exchange and with Top-k."""
-    if bits is None and scale_dtype is None and rotation is None and targets == ("grad",) and topk_ratio == 1.0:
+    left to its defaults on the dense gradient exchange alone (with a power-of-two ``block_size``); otherwise each
+    unset argument's plain default (INT8, float32 scales, no rotation), the setting measured on the expert exchange
+    and with Top-k."""
+    left_to_defaults = bits is None and scale_dtype is None and rotation is None
+    power_of_two = block_size > 0 and not block_size & (block_size - 1)  # (rotation's Hadamard blocks need one)
+    if left_to_defaults and targets == ("grad",) and topk_ratio == 1.0 and power_of_two:
         return 4, "bfloat16", True
     return 8 if bits is None else bits, "float32" if scale_dtype is None else scale_dtype, bool(rotation)
 
@@ -161,7 +169,7 @@ class CompressedAllToAll(pl.Callback):
         targets = (targets,) if isinstance(targets, str) else tuple(targets)
         if not targets or any(t not in _TARGETS for t in targets):
             raise ValueError(f"targets must be a non-empty subset of {_TARGETS}, got {targets!r}")
-        bits, scale_dtype, rotation = _default_codec(targets, topk_ratio, bits, scale_dtype, rotation)
+        bits, scale_dtype, rotation = _default_codec(targets, topk_ratio, block_size, bits, scale_dtype, rotation)
         for name, value in (("warmup_steps", warmup_steps), ("sparsity_warmup_steps", sparsity_warmup_steps)):
             require_int(name, value, minimum=0)
         # CodecConfig validates the codec arguments with errors that use these same names.

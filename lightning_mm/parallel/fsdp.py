@@ -25,6 +25,8 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from lightning_mm.parallel.materialize import allocate_on
+
 __all__ = [
     "SUPPORTED_PRECISIONS",
     "apply_activation_checkpointing",
@@ -127,6 +129,7 @@ def _keep_scalars_replicated(model: nn.Module, mesh: DeviceMesh) -> set[nn.Param
         param.grad.div_(size)
 
     for param in scalars:
+        allocate_on(param, mesh.device_type)  # (a meta parameter: the hook must be on the tensor it keeps)
         param.register_post_accumulate_grad_hook(average_over_mesh)
     return scalars
 

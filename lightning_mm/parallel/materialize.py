@@ -13,13 +13,14 @@ parameter, not the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["fill_from_full", "has_meta_tensors", "holds_dtensors"]
+__all__ = ["allocate_on", "fill_from_full", "has_meta_tensors", "holds_dtensors", "ties_kept"]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -30,6 +31,37 @@ def has_meta_tensors(module: nn.Module) -> bool:
 def holds_dtensors(module: nn.Module) -> bool:
     """Whether any parameter of ``module`` is a DTensor, i.e. someone already parallelised it."""
     return any(isinstance(param, DTensor) for param in module.parameters())
+
+
+def allocate_on(param: nn.Parameter, device: torch.device | str) -> None:
+    """Give a meta-device parameter memory on ``device`` now, keeping the ``nn.Parameter`` object (its value is
+    filled later, like the rest of the model).
+
+    For parameters something attaches state to before the model is materialised (a gradient hook): ``to_empty``
+    replaces every meta parameter by a new object (meta -> CPU / CUDA cannot be shallow-copied into it), and the
+    hook, registered on the old tensor, would never fire; a parameter that already lives on its device keeps its
+    tensor through ``to_empty``."""
+    if param.is_meta:
+        torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device=device), param.requires_grad))
+
+
+@contextmanager
+def ties_kept(module: nn.Module) -> Generator[None, None, None]:
+    """Parameters registered in several places of ``module`` (tied input / output embeddings) are one parameter
+    again after the block: ``to_empty`` replaces a plain meta parameter once per place it is registered, so each
+    place would get a tensor of its own and only one of them would be filled (DTensor parameters of FSDP2 / TP keep
+    their object and their ties)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((owner, name))
+    yield
+    for shared in places.values():
+        first = getattr(shared[0][0], shared[0][1])
+        for owner, name in shared[1:]:
+            if getattr(owner, name) is not first:
+                setattr(owner, name, first)
 
 
 @torch.no_grad()

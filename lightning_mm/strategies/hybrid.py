@@ -51,7 +51,7 @@ from lightning_mm.parallel.fsdp import (
     mixed_precision_policy,
     transformer_blocks,
 )
-from lightning_mm.parallel.materialize import has_meta_tensors, holds_dtensors
+from lightning_mm.parallel.materialize import has_meta_tensors, holds_dtensors, ties_kept
 from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions
 from lightning_mm.parallel.plans import apply_tensor_parallel
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
@@ -392,9 +392,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         initialize = plan.initialize if plan is not None else None
         how = initialize.__qualname__ if initialize is not None else "reset_parameters()"
         rank_zero_info(f"{type(module).__name__} was built on the meta device: its shards are filled by {how}")
-        if initialize is None:
-            return materialize_distributed_module(module, self.root_device)
-        module.to_empty(device=self.root_device)
+        with ties_kept(module):
+            if initialize is None:
+                return materialize_distributed_module(module, self.root_device)
+            module.to_empty(device=self.root_device)
         initialize()
 
     def _fsdp_mesh(self) -> DeviceMesh | None:

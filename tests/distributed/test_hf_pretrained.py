@@ -5,8 +5,8 @@ each rank reads only its shards' slices of the safetensors. Proven against one p
 plain ``Trainer``): every parameter after loading equals the one-process model's exactly (loading is a copy and a
 cast; no tolerance), and the losses of a few AdamW steps equal one process within the float32 noise floor measured in
 the same test (:func:`tests.helpers.assert_float32_noise`, against a float64 one-process run). Meshes: fsdp4,
-tp2 x fsdp2 and pp2 x fsdp2 (4 ranks); on fsdp2, tied embeddings, LoRA adapters on the loaded base, and a LLaVA
-checkpoint in the legacy key layout.
+tp2 x fsdp2 and pp2 x fsdp2 (4 ranks); tied embeddings on fsdp2 and on one rank (no FSDP: plain parameters), LoRA
+adapters on the loaded base on fsdp2 and pp2, and a LLaVA checkpoint in the legacy key layout on fsdp2.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from tests.hf_models import LLAMA, LLAVA, token_batches
 STEPS, SEED, LR = 3, 0, 3e-3
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 MESHES = {
+    "one": (1, {"data_parallel_shard": 1}),  # no FSDP: plain parameters (a tie must survive to_empty)
     "fsdp2": (2, {"data_parallel_shard": 2}),
+    "pp2": (2, {"pipeline_parallel": 2, "data_parallel_shard": 1, "microbatches": 2}),
     "fsdp4": (4, {"data_parallel_shard": 4}),
     "tp2_fsdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2}),
     "pp2_fsdp2": (4, {"pipeline_parallel": 2, "data_parallel_shard": 2, "microbatches": 2}),
@@ -85,7 +87,7 @@ def _fit(rank: int, world: int, model: str, directory: str, mesh: str | None, pr
 
     class FirstWeights(L.Callback):  # the weights as loaded, before the first step changes them
         def on_train_start(self, trainer, pl_module):
-            for name, param in pl_module.named_parameters():
+            for name, param in pl_module.named_parameters(remove_duplicate=False):  # (a tied weight: both names)
                 loaded[name] = full_copy(param)
 
     if mesh is None:
@@ -151,6 +153,15 @@ def test_pretrained_llama_loads_shard_by_shard(mesh, root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama_tied", "llama_lora", "llava"])
-def test_pretrained_variants_on_fsdp2(model, root):
-    _check(model, "fsdp2", root)
+@pytest.mark.parametrize(
+    "model, mesh",
+    [
+        ("llama_tied", "fsdp2"),
+        ("llama_tied", "one"),
+        ("llama_lora", "fsdp2"),
+        ("llama_lora", "pp2"),  # each stage's adapters drawn as one process draws them
+        ("llava", "fsdp2"),
+    ],
+)
+def test_pretrained_variants(model, mesh, root):
+    _check(model, mesh, root)

@@ -276,6 +276,8 @@ def test_defaults_are_the_adam_safe_codec():
     assert (moe.config.bits, moe.config.rotation, moe.config.scale_dtype) == (8, False, "float32")
     int8 = CompressedAllToAll(bits=8)
     assert (int8.config.bits, int8.config.rotation, int8.config.scale_dtype) == (8, False, "float32")
+    odd_blocks = CompressedAllToAll(block_size=100)  # rotation needs power-of-two blocks: the plain INT8 codec
+    assert (odd_blocks.config.bits, odd_blocks.config.rotation) == (8, False)
 
 
 def test_callback_without_a_data_parallel_sync_warns_and_does_nothing():

@@ -21,6 +21,7 @@ from lightning_mm.checkpoint import (
 from lightning_mm.models.hf import HFCausalLMModule
 from lightning_mm.models.hf.module import build_causal_lm
 from lightning_mm.models.hf.pretrained import load_pretrained, pretrained_key_map
+from lightning_mm.parallel.materialize import ties_kept
 from tests.hf_models import LLAMA
 
 
@@ -34,20 +35,24 @@ def _meta_loaded(directory: Path) -> torch.nn.Module:
     model = build_causal_lm(None, str(directory), empty=True)
     assert all(param.is_meta for param in model.parameters())
     key_map = pretrained_key_map(model, directory)
-    model.to_empty(device="cpu")
+    with ties_kept(model):  # (what the strategy does around to_empty)
+        model.to_empty(device="cpu")
     load_pretrained(model, directory, key_map)
     return model
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_meta_build_then_load_equals_from_pretrained(tmp_path, sharded):
-    directory = _save(tmp_path / "llama", max_shard_size="20KB" if sharded else "5GB")
+@pytest.mark.parametrize("sharded, tied", [(False, False), (True, False), (False, True)])
+def test_meta_build_then_load_equals_from_pretrained(tmp_path, sharded, tied):
+    config = {**LLAMA, "tie_word_embeddings": True} if tied else LLAMA
+    directory = _save(tmp_path / "llama", config, max_shard_size="20KB" if sharded else "5GB")
     assert (directory / "model.safetensors.index.json").exists() == sharded
     loaded = _meta_loaded(directory)
     whole = build_causal_lm(None, str(directory))
     assert loaded.dtype == whole.dtype == torch.float32  # the bf16 file is cast to the run's dtype
-    expected = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
-    got = {**dict(loaded.named_parameters()), **dict(loaded.named_buffers())}
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied  # a tie survives to_empty
+    every = {"remove_duplicate": False}  # (a tied weight under each of its names)
+    expected = {**dict(whole.named_parameters(**every)), **dict(whole.named_buffers())}
+    got = {**dict(loaded.named_parameters(**every)), **dict(loaded.named_buffers())}
     assert set(got) == set(expected) and any("inv_freq" in name for name in got)  # rotary buffers computed
     for name, value in got.items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
@@ -197,3 +202,72 @@ def test_streaming_export_writes_what_save_pretrained_writes(tmp_path, name):
         got = exported(input_ids=ids, **extra).logits
         expected = module(ids, None, extra.get("pixel_values"))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _under_hybrid(module: HFCausalLMModule) -> HFCausalLMModule:
+    """The module attached to a Trainer with HybridParallelStrategy (not fitted): its configure_model takes the
+    sharded path."""
+    import lightning as L
+
+    from lightning_mm.strategies import HybridParallelStrategy
+
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HybridParallelStrategy(), logger=False)
+    return module
+
+
+def test_lora_settings_the_sharded_path_cannot_initialise_are_refused(tmp_path):
+    directory = _save(tmp_path / "llama")
+    for extra in ({"use_dora": True}, {"init_lora_weights": "gaussian"}, {"lora_bias": True}):
+        lora = {"r": 4, "target_modules": ["q_proj"], **extra}
+        module = _under_hybrid(HFCausalLMModule(pretrained=str(directory), lora=lora))
+        with pytest.raises(ValueError, match=next(iter(extra))):
+            module.configure_model()
+    # peft's own initialisation is kept when asked for (the seeded one is for the default only)
+    module = HFCausalLMModule(config=LLAMA, lora={"r": 4, "target_modules": ["q_proj"], "init_lora_weights": False})
+    assert any(p.abs().sum() > 0 for n, p in module.named_parameters() if ".lora_B." in n)
+
+
+def test_checkpoints_transformers_must_convert_load_whole_with_a_warning(tmp_path):
+    """A Mixtral file stores per-expert weights that transformers stacks on loading: no slice of the file is a
+    shard of the model, so the module loads it whole (as before) and says so."""
+    mixtral = {
+        **{k: v for k, v in LLAMA.items() if k != "model_type"},
+        "model_type": "mixtral",
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+    }
+    directory = _save(tmp_path / "mixtral", mixtral)
+    module = _under_hybrid(HFCausalLMModule(pretrained=str(directory)))
+    with pytest.warns(UserWarning, match="loading .* whole"):
+        module.configure_model()
+    assert not any(param.is_meta for param in module.parameters()) and module.parallel_plan().initialize is None
+
+
+def test_a_config_model_built_on_meta_is_left_to_reset_parameters():
+    with torch.device("meta"):
+        module = HFCausalLMModule(config=LLAMA)
+    assert module.parallel_plan().initialize is None  # no pretrained weights to read
+
+
+def test_merged_export_of_lora_with_bias_equals_peft_merge(tmp_path):
+    """A merge the streaming export does not do (LoRA biases) goes through peft's merge_and_unload instead."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mm.checkpoint import TOPOLOGY_KEY, save_sharded
+    from lightning_mm.models.hf import export_pretrained
+
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_bias": True}
+    torch.manual_seed(4)
+    module = HFCausalLMModule(config={**LLAMA, "attention_bias": True}, lora=lora)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.1)  # (trained adapters: B != 0, bias != 0)
+    metadata = {"hyper_parameters": dict(module.hparams), TOPOLOGY_KEY: {}}
+    save_sharded(tmp_path / "ckpt", module.state_dict(), [], metadata)
+    out = export_pretrained(tmp_path / "ckpt", tmp_path / "out", merged=True)
+    ids = torch.arange(1, 13).reshape(2, 6)
+    with torch.no_grad():
+        expected = module.model.merge_and_unload().eval()(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

@@ -24,6 +24,7 @@ import torch
 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.models.hf.pretrained import init_derived_buffers, is_adapter_name
+from lightning_mm.parallel.materialize import ties_kept
 
 __all__ = ["export_main", "export_pretrained", "load_module"]
 
@@ -59,7 +60,8 @@ def load_module(checkpoint: str | Path, weights_only: bool | None = True):
     path = Path(checkpoint)
     metadata, hparams = _read_hparams(path, weights_only)
     module = _empty_module(hparams)
-    module.to_empty(device="cpu")
+    with ties_kept(module):
+        module.to_empty(device="cpu")
     init_derived_buffers(module.model)
     if path.is_dir():
         # no_dist: read every shard here, also when called on one rank of a running job (no collective)
@@ -91,9 +93,13 @@ def export_pretrained(
     shutil.rmtree(staging, ignore_errors=True)
     try:
         _, hparams = _read_hparams(path, weights_only)
-        if path.is_dir() and (merged or hparams.get("lora") is None):
-            _stream_model(_empty_module(hparams), path, staging, weights_only, max_shard_bytes)
-        else:
+        lora = hparams.get("lora") or {}
+        streamable = path.is_dir() and (merged or not lora) and not (lora.get("use_dora") or lora.get("lora_bias"))
+        module = _empty_module(hparams) if streamable else None
+        names = _saved_names(module) if module is not None else None
+        if names is not None:
+            _stream_model(module, names, path, staging, weights_only, max_shard_bytes)
+        else:  # (adapters, one-file checkpoints, DoRA / LoRA-bias merges, models whose saved layout converts tensors)
             module = load_module(checkpoint, weights_only)
             model = module.model
             if merged and module.hparams.lora is not None:
@@ -107,10 +113,11 @@ def export_pretrained(
     return output
 
 
-def _saved_names(module) -> dict[str, str]:
+def _saved_names(module) -> dict[str, str] | None:
     """``{module fqn: the key save_pretrained would write}`` for each tensor the exported model stores: adapters
     left out, peft's ``base_layer`` looked through, a tied weight once (its first name, as transformers keeps the
-    input embedding), keys put back in the layout the model's family saves (transformers' own reverse conversion)."""
+    input embedding), keys put back in the layout the model's family saves (transformers' own reverse conversion).
+    None when that layout is not a renaming (transformers splits or merges tensors on saving, e.g. MoE experts)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     base = module.causal_lm
@@ -122,7 +129,10 @@ def _saved_names(module) -> dict[str, str]:
             continue
         fqn_of[id(tensor)] = f"{prefix}.{key}"
         saved[key.replace(".base_layer.", ".")] = tensor
-    return {fqn_of[id(tensor)]: name for name, tensor in revert_weight_conversion(base, saved).items()}
+    reverted = revert_weight_conversion(base, saved)
+    if any(id(tensor) not in fqn_of for tensor in reverted.values()):
+        return None
+    return {fqn_of[id(tensor)]: name for name, tensor in reverted.items()}
 
 
 def _lora_deltas(module) -> dict[str, tuple[str, str, float]]:
@@ -130,8 +140,6 @@ def _lora_deltas(module) -> dict[str, tuple[str, str, float]]:
     deltas: dict[str, tuple[str, str, float]] = {}
     for name, sub in module.named_modules():
         if hasattr(sub, "base_layer") and hasattr(sub, "lora_A") and "default" in getattr(sub, "lora_A", {}):
-            if getattr(sub, "use_dora", {}).get("default"):
-                raise ValueError("export-hf --merged: DoRA adapters are not merged by the streaming export")
             deltas[f"{name}.base_layer.weight"] = (
                 f"{name}.lora_A.default.weight",
                 f"{name}.lora_B.default.weight",
@@ -140,10 +148,11 @@ def _lora_deltas(module) -> dict[str, tuple[str, str, float]]:
     return deltas
 
 
-def _stream_model(module, path: Path, staging: Path, weights_only: bool | None, max_shard_bytes: int | None) -> None:
+def _stream_model(
+    module, names: dict[str, str], path: Path, staging: Path, weights_only: bool | None, max_shard_bytes: int | None
+) -> None:
     from safetensors.torch import save_file
 
-    names = _saved_names(module)
     meta = dict(module.named_parameters())
     meta.update(dict(module.named_buffers()))
     stored = ckpt.model_tensor_shapes(path, weights_only)

@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_mm.models.common import data_parallel_group
@@ -18,11 +19,20 @@ from lightning_mm.models.hf.parallelize import (
     causal_lm_parallel_plan,
     token_normalizer,
 )
-from lightning_mm.models.hf.pretrained import init_lora_adapters, load_pretrained, pretrained_key_map
+from lightning_mm.models.hf.pretrained import (
+    NeedsConversion,
+    init_lora_adapters,
+    load_pretrained,
+    pretrained_key_map,
+)
 from lightning_mm.parallel.materialize import has_meta_tensors
 from lightning_mm.parallel.protocol import ParallelPlan, materializes_meta_modules
 
 __all__ = ["HFCausalLMModule", "build_causal_lm"]
+
+_META_LORA_OK = {("use_dora", False), ("init_lora_weights", True), ("lora_bias", False)}
+"""LoRA settings the sharded pretrained loading initialises (:func:`~lightning_mm.models.hf.pretrained.
+init_lora_adapters`); others are refused there rather than trained from uninitialised adapters."""
 
 
 def build_causal_lm(
@@ -133,9 +143,26 @@ class HFCausalLMModule(L.LightningModule):
             return
         strategy = self._trainer.strategy if self._trainer is not None else None
         empty = materializes_meta_modules(strategy)
+        if empty:
+            unsupported = {
+                key: value
+                for key, value in (self.hparams.lora or {}).items()
+                if key in ("use_dora", "init_lora_weights", "lora_bias") and (key, value) not in _META_LORA_OK
+            }
+            if unsupported:
+                raise ValueError(
+                    f"HFCausalLMModule(pretrained=..., lora={unsupported}) under {type(strategy).__name__}: the "
+                    "sharded loading initialises LoRA adapters with peft's default (init_lora_weights=True, no DoRA, "
+                    "no lora_bias) only; drop these LoRA arguments, or train under a strategy that loads the model "
+                    "whole (e.g. strategy='ddp')"
+                )
         self.build_pretrained(empty)
         if empty:  # (checked against the files now, before anything is sharded)
-            self._pretrained_keys = pretrained_key_map(self.model, self.hparams.pretrained)
+            try:
+                self._pretrained_keys = pretrained_key_map(self.model, self.hparams.pretrained)
+            except NeedsConversion as reason:
+                rank_zero_warn(f"{reason}: loading {self.hparams.pretrained!r} whole on every rank instead")
+                self.build_pretrained(empty=False)
 
     def build_pretrained(self, empty: bool = False) -> None:
         """Build the ``pretrained`` model (with its LoRA adapters): whole with ``from_pretrained``, or with ``empty``
@@ -154,8 +181,8 @@ class HFCausalLMModule(L.LightningModule):
         except ImportError as error:
             raise ImportError("lora=... needs peft: pip install 'lightning-mm[hf]'") from error
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **self.hparams.lora))
-        if not has_meta_tensors(model):
-            init_lora_adapters(model, self._adapter_seed)
+        if not has_meta_tensors(model) and self.hparams.lora.get("init_lora_weights", True) is True:
+            init_lora_adapters(model, self._adapter_seed)  # (seeded per adapter: any mesh equals one process)
         return model
 
     def _load_pretrained(self) -> None:
@@ -182,7 +209,7 @@ class HFCausalLMModule(L.LightningModule):
             sequence_parallel=sequence_parallel,
             pipeline_shape=pipeline_shape,
         )
-        if has_meta_tensors(self.model):
+        if has_meta_tensors(self.model) and self._pretrained_keys is not None:
             plan.initialize = self._load_pretrained
         return plan
 

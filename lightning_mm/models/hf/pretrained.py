@@ -20,6 +20,7 @@ them.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from lightning_mm.checkpoint.errors import CheckpointMismatchError
 from lightning_mm.checkpoint.hf_safetensors import load_safetensors, safetensors_shapes
 from lightning_mm.parallel.materialize import fill_from_full
 
-__all__ = ["init_derived_buffers", "init_lora_adapters", "load_pretrained", "pretrained_key_map"]
+__all__ = ["NeedsConversion", "init_derived_buffers", "init_lora_adapters", "load_pretrained", "pretrained_key_map"]
 
 _LORA_MARKERS = (".lora_", ".lora_magnitude_vector")
 
@@ -62,14 +63,18 @@ def _renamer(model: nn.Module):
     def rename(key: str, names: dict[str, Any]) -> str:
         renamed, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, names)
         if converter is not None:
-            raise CheckpointMismatchError(
-                f"checkpoint tensor {key!r} must be converted by transformers ({converter!r} merges or splits "
-                "tensors), which sharded loading does not do; save the model with this transformers version first "
-                "(from_pretrained, then save_pretrained)"
+            raise NeedsConversion(
+                f"checkpoint tensor {key!r} is converted by transformers on loading ({converter!r} merges or "
+                "splits tensors, e.g. per-expert weights into stacked ones), which the sharded reader does not do"
             )
         return renamed
 
     return rename
+
+
+class NeedsConversion(CheckpointMismatchError):
+    """The checkpoint stores tensors transformers merges or splits on loading (:func:`pretrained_key_map`); the
+    caller loads the model whole instead."""
 
 
 def _unique_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -168,13 +173,14 @@ def load_pretrained(
 @torch.no_grad()
 def init_lora_adapters(model: nn.Module, seed: int) -> None:
     """peft's default LoRA initialisation (A: Kaiming-uniform with ``a = sqrt(5)``, as ``nn.Linear``; B: zeros), each
-    adapter's full value drawn in name order from a generator seeded with ``seed``, so that any sharding of the
-    adapters (FSDP2, TP, pipeline stages) equals one process."""
-    generator = torch.Generator().manual_seed(seed)
+    adapter's full value drawn from a generator of its own, seeded by ``(seed, its name)``, so that any sharding of
+    the adapters (FSDP2, TP, the subset a pipeline stage holds) equals one process."""
     for name, param in model.named_parameters():
         if ".lora_A." in name:
+            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
-            def kaiming(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+            def kaiming(shape: torch.Size, dtype: torch.dtype, generator=generator) -> torch.Tensor:
                 full = torch.empty(shape, dtype=torch.float32)
                 nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
                 return full.to(dtype)
