@@ -42,7 +42,7 @@ from lightning_mm.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["INDEX_FILE", "READ_CHUNK_BYTES", "load_safetensors", "safetensors_shapes"]
+__all__ = ["INDEX_FILE", "READ_CHUNK_BYTES", "check_fit", "load_safetensors", "safetensors_shapes"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _SUFFIX = ".safetensors"
@@ -68,6 +68,16 @@ _DTYPES = {
 def _listed(names: list[str]) -> str:
     more = f" ... and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
     return ", ".join(names[:_SHOWN]) + more
+
+
+def check_fit(directory: str | os.PathLike, problems: Mapping[str, list[str]]) -> None:
+    """Raise :class:`~lightning_mm.checkpoint.CheckpointMismatchError` naming, per kind (``{"tensor(s) missing":
+    [keys], ...}``), the tensors by which the files of ``directory`` do not fit a model; nothing when all are empty."""
+    parts = [f"{len(names)} {kind}: {_listed(sorted(names))}" for kind, names in problems.items() if names]
+    if parts:
+        raise CheckpointMismatchError(
+            f"pretrained weights in {str(directory)!r} do not fit the model: " + "; ".join(parts)
+        )
 
 
 def _checked_files(directory: Path) -> list[Path]:
@@ -210,13 +220,5 @@ def load_safetensors(targets: Mapping[str, torch.Tensor], directory: str | os.Pa
         for key, tensor in targets.items()
         if key in shapes and tuple(shapes[key]) != tuple(tensor.shape)
     )
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} tensor(s) missing: {_listed(missing)}")
-    if misshaped:
-        problems.append(f"{len(misshaped)} of another shape: {_listed(misshaped)}")
-    if problems:
-        raise CheckpointMismatchError(
-            f"pretrained weights in {str(directory)!r} do not fit the model: " + "; ".join(problems)
-        )
+    check_fit(directory, {"tensor(s) missing": missing, "of another shape": misshaped})
     dcp.load(dict(targets), storage_reader=reader)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from lightning_mm.checkpoint.errors import CheckpointMismatchError
-from lightning_mm.checkpoint.hf_safetensors import load_safetensors, safetensors_shapes
+from lightning_mm.checkpoint.hf_safetensors import check_fit, load_safetensors, safetensors_shapes
 from lightning_mm.parallel.materialize import fill_from_full
 
 __all__ = ["NeedsConversion", "init_derived_buffers", "init_lora_adapters", "load_pretrained", "pretrained_key_map"]
@@ -115,31 +115,30 @@ def pretrained_key_map(model: nn.Module, directory: str | Path) -> dict[str, str
         elif id(tensor) not in filled:  # a tied weight stored under both names is read once
             key_map[key] = name
             filled.add(id(tensor))
-    missing = sorted(name for name, tensor in names.items() if id(tensor) not in filled)
-    parts = [f"{len(missing)} model tensor(s) no file holds: {missing[:8]}"] if missing else []
-    if unexpected:
-        parts.append(f"{len(unexpected)} stored tensor(s) the model has no place for: {sorted(unexpected)[:8]}")
-    if misshaped:
-        parts.append(f"{len(misshaped)} of another shape: {sorted(misshaped)[:8]}")
-    if parts:
-        raise CheckpointMismatchError(
-            f"pretrained weights in {str(directory)!r} do not fit the model: " + "; ".join(parts)
-        )
+    missing = [name for name, tensor in names.items() if id(tensor) not in filled]
+    check_fit(
+        directory,
+        {
+            "model tensor(s) no file holds": missing,
+            "stored tensor(s) the model has no place for": unexpected,
+            "of another shape": misshaped,
+        },
+    )
     return key_map
 
 
-def _buffer_owners(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
-    """``(name, module, its nearest PreTrainedModel)`` for each module holding buffers, outermost first."""
+def _buffer_owners(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
+    """``(module, its nearest PreTrainedModel)`` for each module holding buffers, outermost first."""
     from transformers import PreTrainedModel
 
-    def walk(prefix: str, module: nn.Module, owner: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+    def walk(module: nn.Module, owner: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
         owner = module if isinstance(module, PreTrainedModel) else owner
         if any(buffer is not None for buffer in module._buffers.values()):
-            yield prefix, module, owner
-        for name, child in module.named_children():
-            yield from walk(f"{prefix}.{name}" if prefix else name, child, owner)
+            yield module, owner
+        for child in module.children():
+            yield from walk(child, owner)
 
-    yield from walk("", model, model)
+    yield from walk(model, model)
 
 
 @torch.no_grad()
@@ -147,7 +146,7 @@ def init_derived_buffers(model: nn.Module) -> None:
     """Compute the buffers (rotary frequencies, position ids) the way the model's own ``_init_weights`` does: after
     ``to_empty`` they hold garbage, and checkpoints do not store them. Runs before the weights are read (it may
     touch its module's parameters too)."""
-    for _, module, owner in _buffer_owners(model):
+    for module, owner in _buffer_owners(model):
         owner._init_weights(module)
 
 
