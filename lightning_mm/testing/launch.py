@@ -30,6 +30,7 @@ interpreters that were never forked.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import io
@@ -179,6 +180,7 @@ class _ProcessState:
         signums = [getattr(signal, name) for name in self._SIGNALS if hasattr(signal, name)]
         self.handlers = {signum: signal.getsignal(signum) for signum in signums}
         self.threads = set(threading.enumerate())
+        self.native_threads = _native_thread_count()
         self.loggers = {name: _logger_state(name) for name in ("", *logging.root.manager.loggerDict)}
 
     def restore(self) -> None:
@@ -220,7 +222,24 @@ class _ProcessState:
         ]
         if signal.alarm(0):
             found.append("a pending SIGALRM")
+        native = _native_thread_count()
+        if native is not None and native > self.native_threads + _NATIVE_THREADS_KEPT:
+            # (torch's own threads: process groups something still holds after destroy_process_group)
+            found.append(f"{native - self.native_threads} native threads more than at start")
         return found
+
+
+# Native threads a launch may leave (one process group torch keeps referenced until the next launch replaces it has
+# 3-4: gloo's loop and workers, the store's); more retires the rank before leaks pile up (see _forget_process_groups).
+_NATIVE_THREADS_KEPT = 16
+
+
+def _native_thread_count() -> int | None:
+    """The process's threads, Python's and native ones (None where ``/proc`` does not list them)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 def _logger_state(name: str) -> tuple:
@@ -243,12 +262,31 @@ def _forget_process_groups() -> None:
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
-    _redistribute._gen_transform_infos.cache_clear()
     clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear_planners is not None:  # planners keyed by (weak references to) equal-comparing meshes
         clear_planners()
+    # Every functools cache of torch.distributed (``_gen_transform_infos``, ``MeshTopoInfo.build_from_mesh``, ...):
+    # a cached DeviceMesh keeps its process groups alive in C++ after destroy_process_group, each with its gloo
+    # threads, which wake now and then: a warm rank had ~150 of them after half the suite, a third of a core.
+    for cache in _torch_distributed_caches():
+        cache.cache_clear()
     if "torch._dynamo" in sys.modules:  # compiled graphs guard on (and call into) the old groups too
         torch._dynamo.reset()
+
+
+def _torch_distributed_caches() -> Iterator[Any]:
+    """The ``functools`` caches that the loaded ``torch.distributed`` modules define, as functions or as methods."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torch.distributed" or name.startswith("torch.distributed.")):
+            continue
+        # (type() rather than isinstance: some module attributes warn when their __class__ is read)
+        for value in list(vars(module).values()):
+            members = list(vars(value).values()) if issubclass(type(value), type) else [value]
+            for member in members:
+                if type(member) in (staticmethod, classmethod):
+                    member = member.__func__
+                if type(member) is functools._lru_cache_wrapper and member.__module__ == name:
+                    yield member
 
 
 def _rank_main(rank: int, world_size: int, tasks, results, preload: list[str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning as L
@@ -286,21 +287,24 @@ def _fit_losses(tmp_path: Path, *overrides: str) -> list[float]:
     return metric_series(read_offline_history(find_offline_runs(tmp_path)[0]), "train/loss")
 
 
-# Time: 2 CLI launches in sequence: 1 process, then pp2 (2 processes started one after the other), 8 steps and 2
+# Time: 2 CLI launches side by side: 1 process, and pp2 (2 processes started one after the other), 8 steps and 2
 # validation passes each (20 steps before: nothing asserted needed them); the 3 start-ups dominate. The
 # reference must be a CLI run of the same config and data for the per-step losses to be comparable.
 def test_fit_pipeline_parallel_keeps_the_losses_of_one_process(tmp_path):
     """``lightning-mm fit`` with pp2 (2 processes, one data-parallel rank) vs one process on the same data: the
     per-step losses agree, contrastive and expert balance losses included (the pipeline keeps the objective). The
     strategy is given by class path on the command line."""
-    one = _fit_losses(tmp_path / "pp1", "--trainer.devices=1")
-    pipelined = _fit_losses(
-        tmp_path / "pp2",
-        "--trainer.devices=2",
-        "--trainer.strategy=lightning_mm.strategies.HybridParallelStrategy",
-        "--trainer.strategy.pipeline_parallel=2",
-        "--trainer.strategy.pipeline_schedule=1F1B",
-    )
+    with ThreadPoolExecutor(2) as pool:  # side by side: each launch's start-ups are serial
+        one = pool.submit(_fit_losses, tmp_path / "pp1", "--trainer.devices=1")
+        pipelined = pool.submit(
+            _fit_losses,
+            tmp_path / "pp2",
+            "--trainer.devices=2",
+            "--trainer.strategy=lightning_mm.strategies.HybridParallelStrategy",
+            "--trainer.strategy.pipeline_parallel=2",
+            "--trainer.strategy.pipeline_schedule=1F1B",
+        )
+        one, pipelined = one.result(), pipelined.result()
     assert len(one) == len(pipelined) == 8
     assert one[0] != one[-1]
     torch.testing.assert_close(torch.tensor(pipelined), torch.tensor(one), rtol=1e-5, atol=0)

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 NOT_RESUMABLE = "your dataloader is not resumable"
 
 
-def _fit(root: Path, devices: int, *overrides: str) -> str:
-    """One ``lightning-mm fit`` of tiny_hybrid.yaml by epochs; returns its output (stdout + stderr)."""
+def _start(root: Path, devices: int, *overrides: str) -> subprocess.Popen:
+    """One ``lightning-mm fit`` of tiny_hybrid.yaml by epochs, started in the background (see :func:`_outputs`)."""
+    root.mkdir(parents=True, exist_ok=True)
     callbacks = [
         {"class_path": "tests.integration.record_ids.RecordSampleIds", "init_args": {"out_dir": str(root / "ids")}},
         {
@@ -38,7 +39,7 @@ def _fit(root: Path, devices: int, *overrides: str) -> str:
             },
         },
     ]
-    result = subprocess.run(
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -57,13 +58,26 @@ def _fit(root: Path, devices: int, *overrides: str) -> str:
         ],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=300,
     )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    return output
+
+
+def _outputs(*processes: subprocess.Popen) -> list[str]:
+    """The outputs (stdout + stderr) of runs started by :func:`_start`, side by side; every run must succeed."""
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=300)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    for process, output in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, output[-4000:]
+    return outputs
 
 
 def _ids(root: Path, before_step: int | None = None) -> list[int]:
@@ -77,18 +91,31 @@ def _ids(root: Path, before_step: int | None = None) -> list[int]:
     return ids
 
 
-# Time: 2 CLI launches in sequence, 4 or 6 fresh interpreters (rank 1.. start once rank 0 reaches fit): the whole
-# epoch on `saved_on` ranks (about 9 steps on 2, 4 on 4; a DCP checkpoint every 2 steps), then the rest on 2 ranks.
-# Start-up is most of it; the first run is needed whole (every id of the epoch), the second is the resume under test.
-@pytest.mark.parametrize("saved_on", [2, 4], ids=["2_to_2_ranks", "4_to_2_ranks"])
-def test_max_epochs_resume_trains_every_sample_of_the_epoch_once(tmp_path, saved_on):
-    first, resumed = tmp_path / "first", tmp_path / "resumed"
-    first.mkdir()
-    resumed.mkdir()
-    _fit(first, saved_on)  # the whole epoch, with checkpoints every 2 steps
+SAVED_ON = (2, 4)
+
+
+# Time: 4 CLI launches, 2 at a time (6 then 4 fresh interpreters; within a launch Lightning starts ranks 1.. only once
+# rank 0 reaches fit, so a launch alone leaves a core idle through its start-ups): the whole epoch on 2 and on 4 ranks
+# side by side (about 9 and 4 steps, a DCP checkpoint every 2 steps), then both resumes on 2 ranks side by side.
+# Start-up is most of it; the first runs are needed whole (every id of the epoch), the resumes are what is tested.
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, tuple[Path, Path, str]]:
+    """For each number of ranks the epoch was saved on: (its whole run, the resume on 2 ranks, the resume's output)."""
+    root = tmp_path_factory.mktemp("epoch_resume")
+    first = {saved_on: root / f"first_{saved_on}" for saved_on in SAVED_ON}
+    _outputs(*[_start(first[saved_on], saved_on) for saved_on in SAVED_ON])
+    resumed = {saved_on: root / f"resumed_from_{saved_on}" for saved_on in SAVED_ON}
+    outputs = _outputs(
+        *[_start(resumed[n], 2, f"--ckpt_path={first[n] / 'checkpoints' / 'step=2.ckpt'}") for n in SAVED_ON]
+    )
+    return {n: (first[n], resumed[n], output) for n, output in zip(SAVED_ON, outputs, strict=True)}
+
+
+@pytest.mark.parametrize("saved_on", SAVED_ON, ids=["2_to_2_ranks", "4_to_2_ranks"])
+def test_max_epochs_resume_trains_every_sample_of_the_epoch_once(runs, saved_on):
+    first, resumed, output = runs[saved_on]
     epoch = _ids(first)
     assert len(epoch) == len(set(epoch)) > 0
-    output = _fit(resumed, 2, f"--ckpt_path={first / 'checkpoints' / 'step=2.ckpt'}")
 
     before, after = _ids(first, before_step=2), _ids(resumed)
     records = [json.loads(line) for line in (resumed / "ids" / "rank0.jsonl").open()]

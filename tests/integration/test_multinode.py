@@ -113,28 +113,36 @@ def _two_nodes(root: Path, *overrides: str) -> list[subprocess.Popen]:
     return [_torchrun(root / f"node{n}", 2, n, 2, port, *overrides) for n in range(2)]
 
 
-# Time: one torchrun launch, 5 fresh interpreters (the agent + 4 workers) on 2 cores, then 6 steps and 2 validation
-# passes; start-up is most of it. Module scope: the two-node and the SLURM test compare with this one run.
+# Time: the 1-node and the 2-node torchrun launch side by side (11 fresh interpreters: 3 agents + 8 workers on 2
+# cores; within a launch the workers start together, but the agents start them only after their own start-up), then
+# 6 steps and 2 validation passes of the 4-rank HSDP mesh each; start-up is most of it. Module scope: the two-node and
+# the SLURM test compare with the one-node run.
 @pytest.fixture(scope="module")
-def single_node(tmp_path_factory) -> list[float]:
-    root = tmp_path_factory.mktemp("one_node")
-    (code,) = _wait([_torchrun(root, 1, 0, 4, free_port(), *HSDP)])
-    assert code == 0, (root / "node0.log").read_text()[-3000:]
-    losses = _losses(root)
+def hsdp_runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hsdp")
+    one = _torchrun(root / "one_node", 1, 0, 4, free_port(), *HSDP)
+    two = _two_nodes(root / "two_nodes", *HSDP)
+    code, *two_codes = _wait([one, *two])
+    assert code == 0, (root / "one_node" / "node0.log").read_text()[-3000:]
+    losses = _losses(root / "one_node")
     assert len(losses) == STEPS and losses[0] != losses[-1]
-    return losses
+    return {"single_node": losses, "two_nodes": root / "two_nodes", "two_node_codes": two_codes}
 
 
-# Time: two torchrun "nodes" started together, 6 fresh interpreters (2 agents + 4 workers) on 2 cores, then 6 steps
-# of the 4-rank HSDP mesh; start-up is most of it. What is tested is torchrun's 2-node rendezvous and the ranks' node
-# layout as the agents set them, which warm in-process ranks cannot stand in for.
-def test_two_torchrun_nodes_equal_one_node(tmp_path, single_node):
-    nodes = _two_nodes(tmp_path, *HSDP)
-    codes = _wait(nodes)
-    logs = [(tmp_path / f"node{n}" / f"node{n}.log").read_text() for n in range(2)]
-    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+@pytest.fixture(scope="module")
+def single_node(hsdp_runs) -> list[float]:
+    return hsdp_runs["single_node"]
+
+
+# What is tested is torchrun's 2-node rendezvous and the ranks' node layout as the agents set them, which warm
+# in-process ranks cannot stand in for (run in the fixture, beside the one-node run).
+def test_two_torchrun_nodes_equal_one_node(hsdp_runs):
+    root = hsdp_runs["two_nodes"]
+    logs = [(root / f"node{n}" / f"node{n}.log").read_text() for n in range(2)]
+    assert hsdp_runs["two_node_codes"] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "2 node(s) x 2 local rank(s): dp_shard2 inside nodes, dp_replicate2 across nodes" in logs[0]
-    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "node0")), torch.tensor(single_node), rtol=1e-6, atol=0)
+    losses = _losses(root / "node0")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(hsdp_runs["single_node"]), rtol=1e-6, atol=0)
 
 
 FAKE_SRUN = """#!/usr/bin/env bash

@@ -148,6 +148,35 @@ def test_a_warm_rank_runs_dtensor_ops_on_the_new_process_group_not_the_destroyed
             assert launch.run_distributed(_dtensor_op, 4, groups_before, destroy) == [[[4.0, 4.0], [4.0, 4.0]]] * 4
 
 
+def _threads_then_a_dtensor_matmul(rank: int, world: int, name: str) -> tuple[int, int | None]:
+    """This rank's pid and thread count at the start of the launch; then a DTensor matmul on a mesh's subgroup,
+    which DTensor's sharding-cost cache (``MeshTopoInfo.build_from_mesh``) keeps a reference to (one per mesh
+    layout and names: a mesh equal to a cached one hits the cache instead)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    threads = launch._native_thread_count()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", name))[name]
+    rows = distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)])
+    columns = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    (rows @ columns).full_tensor()
+    return os.getpid(), threads
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_warm_ranks_do_not_pile_up_the_threads_of_destroyed_process_groups():
+    """A process group a cache still references outlives destroy_process_group with its gloo threads, which wake now
+    and then: before the fix, each launch like this one left 7 more per rank (~150 per rank after half the suite)."""
+    with launch.warm_ranks():
+        launches = [launch.run_distributed(_threads_then_a_dtensor_matmul, 2, f"tp{i}") for i in range(5)]
+    for rank in range(2):
+        pids = {result[rank][0] for result in launches}
+        assert len(pids) == 1, "the ranks were replaced: the leak would be hidden"
+        # (the first launch creates torch's lazily started pools, hence from the second on)
+        counts = [result[rank][1] for result in launches[1:]]
+        assert counts == [counts[0]] * len(counts), counts
+
+
 def _pid(rank: int, world: int) -> int:
     return os.getpid()
 
