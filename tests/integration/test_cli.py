@@ -244,32 +244,43 @@ def test_make_shards_subcommand_is_wired(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "--num-train" in result.stderr
 
 
-# Time: one `lightning-mm fit` of tiny_hybrid.yaml: 2 fresh interpreters, one after the other (Lightning's launcher
-# starts rank 1 once rank 0 reaches fit), 6 steps, 2 validation passes, 1 DCP checkpoint; start-up is most of it.
-# The YAML-built strategy under Lightning's own launcher is what is tested, so it stays a real command.
-def test_fit_with_hybrid_strategy_from_yaml_on_two_processes(tmp_path):
+TWO_PROCESS_CONFIGS = ("tiny_hybrid.yaml", "tiny_replica_sync.yaml")
+
+
+# Time: two `lightning-mm fit` launches side by side, tiny_hybrid.yaml and tiny_replica_sync.yaml as shipped: 2 fresh
+# interpreters each, one after the other (Lightning's launcher starts rank 1 once rank 0 reaches fit), 6 steps, 2
+# validation passes, 1 DCP checkpoint; start-up is most of it. The YAML-built strategy under Lightning's own launcher
+# is what is tested, so they stay real commands; tiny_replica_sync's 6 steps hold the sync at step 4 asserted below.
+@pytest.fixture(scope="module")
+def two_process_fits(tmp_path_factory) -> dict[str, Path]:
+    roots = {config: tmp_path_factory.mktemp(config.removesuffix(".yaml")) for config in TWO_PROCESS_CONFIGS}
+    with ThreadPoolExecutor(len(roots)) as pool:
+        for fit in [pool.submit(_run_fit, root, config) for config, root in roots.items()]:
+            fit.result()
+    return roots
+
+
+def test_fit_with_hybrid_strategy_from_yaml_on_two_processes(two_process_fits):
     """The strategy built from YAML, Lightning's own launcher starting the second process, a DCP checkpoint."""
-    _run_fit(tmp_path, "tiny_hybrid.yaml")
-    checkpoints = list(tmp_path.glob("**/checkpoints/*.ckpt"))
+    root = two_process_fits["tiny_hybrid.yaml"]
+    checkpoints = list(root.glob("**/checkpoints/*.ckpt"))
     assert len(checkpoints) == 1 and checkpoints[0].is_dir()
     topology = read_topology(checkpoints[0])
     assert topology["world_size"] == 2 and topology["mesh"]["dp_shard"] == 2
-    history = read_offline_history(find_offline_runs(tmp_path)[0])
+    history = read_offline_history(find_offline_runs(root)[0])
     assert len(metric_series(history, "train/loss")) == 6
 
 
-# Time: as test_fit_with_hybrid_strategy_from_yaml_on_two_processes (2 serial start-ups, 6 steps, 2 validation passes,
-# 1 DCP checkpoint) with tiny_replica_sync.yaml as shipped: its 6 steps hold the sync at step 4 that is asserted.
-def test_fit_with_replica_sync_from_yaml_on_two_processes(tmp_path):
+def test_fit_with_replica_sync_from_yaml_on_two_processes(two_process_fits):
     """T2 selected from YAML: 2 replica groups synchronised every 4 steps by compressed pseudo-gradients; the W&B
     history holds the replica-link saving (frequency x codec: more than the 4x of the frequency alone)."""
-    _run_fit(tmp_path, "tiny_replica_sync.yaml")
-    history = read_offline_history(find_offline_runs(tmp_path)[0])
+    root = two_process_fits["tiny_replica_sync.yaml"]
+    history = read_offline_history(find_offline_runs(root)[0])
     assert len(metric_series(history, "train/loss")) == 6
     syncs = metric_series(history, "replica_sync/syncs")
     assert syncs[0] == 0 and syncs[-1] == 1  # the sync at step 4 (the closing one at step 6 is after the last log)
     assert metric_series(history, "replica_sync/bytes_vs_fp32")[-1] > 4
-    checkpoints = list(tmp_path.glob("**/checkpoints/*.ckpt"))
+    checkpoints = list(root.glob("**/checkpoints/*.ckpt"))
     assert len(checkpoints) == 1 and read_topology(checkpoints[0])["mesh"]["dp_replicate"] == 2
 
 

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,25 +52,35 @@ def _fit_hf_llama(tmp_path: Path, *overrides: str) -> tuple[list[float], list[fl
     return train, val
 
 
-def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_one_process(tmp_path):
-    train, val = _fit_hf_llama(
-        tmp_path, "--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"
-    )
+# Time: the installed `lightning-mm` console script twice, side by side: on one process (2 steps) and on 2 pipeline
+# stages (2 fresh interpreters that also import transformers, started one after the other by Lightning's launcher,
+# 3 steps, 1 validation pass); each writes a DCP last.ckpt. A launch's start-ups are serial, so two share the cores
+# better than one after the other. The console script and the shipped YAML are what is tested: real commands.
+@pytest.fixture(scope="module")
+def hf_llama_fits(tmp_path_factory) -> dict[str, tuple[Path, list[float], list[float]]]:
+    roots = {name: tmp_path_factory.mktemp(name) for name in ("one_process", "two_stages")}
+    overrides = {
+        "one_process": ("--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"),
+        "two_stages": (
+            f"--trainer.max_steps={STEPS}",
+            f"--trainer.val_check_interval={STEPS}",
+            "--trainer.devices=2",
+            "--trainer.strategy.init_args.pipeline_parallel=2",
+        ),
+    }
+    with ThreadPoolExecutor(len(roots)) as pool:
+        fits = {name: pool.submit(_fit_hf_llama, roots[name], *overrides[name]) for name in roots}
+        return {name: (roots[name], *fit.result()) for name, fit in fits.items()}
+
+
+def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_one_process(hf_llama_fits):
+    root, train, val = hf_llama_fits["one_process"]
     assert len(train) == 2 and not val
-    assert (tmp_path / "runs/hf_llama/config.yaml").read_text().count("HFCausalLMModule") == 1
+    assert (root / "runs/hf_llama/config.yaml").read_text().count("HFCausalLMModule") == 1
 
 
-# Time: the installed `lightning-mm` console script on 2 pipeline stages: 2 fresh interpreters that also import
-# transformers, started one after the other by Lightning's launcher, then 3 steps, 1 validation pass and a DCP
-# last.ckpt. The console script and the shipped YAML are what is tested, so it stays a real command.
-def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_two_pipeline_stages(tmp_path):
-    train, val = _fit_hf_llama(
-        tmp_path,
-        f"--trainer.max_steps={STEPS}",
-        f"--trainer.val_check_interval={STEPS}",
-        "--trainer.devices=2",
-        "--trainer.strategy.init_args.pipeline_parallel=2",
-    )
+def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_two_pipeline_stages(hf_llama_fits):
+    _, train, val = hf_llama_fits["two_stages"]
     assert len(train) == STEPS and len(val) == 1
 
 
