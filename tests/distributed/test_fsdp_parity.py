@@ -115,9 +115,17 @@ def _check(per_rank: list[dict], expected_placements: tuple, expected_mesh_dims:
             atol=0,
         )
         assert set(fsdp["grads"]) == set(single["grads"])
+        # A gradient that is zero up to float64 rounding of the whole gradient (here: the media-side FFN norm and
+        # vision router of the last fusion layer when a batch's vision routing is balanced, ~1e-21 against a total
+        # of ~75) is rounding noise in both runs: it must be that small on the mesh too; every other gradient must
+        # agree within RTOL relative.
+        noise = torch.finfo(torch.float64).eps * torch.cat([g.flatten() for g in single["grads"].values()]).norm()
         for pname, grad in single["grads"].items():
             assert grad.dtype == torch.float64, pname
-            assert _relative_error(fsdp["grads"][pname], grad) < RTOL, (name, pname)
+            if grad.norm() <= noise:
+                assert fsdp["grads"][pname].norm() <= noise, (name, pname, fsdp["grads"][pname].norm())
+            else:
+                assert _relative_error(fsdp["grads"][pname], grad) < RTOL, (name, pname)
         param_errors: list[float] = []
         for pname, param in single["params"].items():
             if name == "sgd":

@@ -23,6 +23,7 @@ user ``tp_plan`` is checked the same way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import lightning as L
@@ -73,32 +74,60 @@ CONFIGS: dict[str, tuple[int, dict]] = {
 }
 
 
+META_CONFIGS = ("fsdp2", "fsdp2xtp2")
+"""Also run with the module built on the meta device (``trainer.init_module(empty_init=True)``)."""
+
+
 def _trainer(world: int, strategy, callbacks, precision: str = "64-true") -> L.Trainer:
     return quiet_trainer(world, strategy, STEPS, callbacks, precision=precision, gradient_clip_val=CLIP)
 
 
-def _fit_reference_vlm(rank: int, world: int, kwargs: dict | None, precision: str = "64-true") -> dict:
-    """``kwargs=None``: the one-process reference (plain Trainer); else HybridParallelStrategy(**kwargs)."""
+class _InitialWeights(L.Callback):
+    """The weights as training starts (after a meta-built model was initialised shard by shard), gathered."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.weights = {name: full_copy(param) for name, param in pl_module.model.named_parameters()}
+
+
+def _fit_reference_vlm(
+    rank: int, world: int, kwargs: dict | None, precision: str = "64-true", meta: bool = False
+) -> dict:
+    """``kwargs=None``: the one-process reference (plain Trainer); else HybridParallelStrategy(**kwargs); ``meta``:
+    the module is built inside ``trainer.init_module(empty_init=True)`` (on the meta device, initialised shard by
+    shard after parallelisation)."""
     L.seed_everything(SEED, verbose=False)
-    module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3)
-    initial = {name: param.detach().clone() for name, param in module.model.named_parameters()}
     if kwargs is None:
         strategy, dp_rank, dp_size = "auto", 0, 1
     else:
         dims = ParallelDims.from_args(world, **{k: v for k, v in kwargs.items() if k.startswith(("data", "tensor"))})
         strategy, dp_rank, dp_size = HybridParallelStrategy(**kwargs), dims.data_parallel_rank(rank), dims.dp
     batches = shard_batches(random_samples(GLOBAL_BATCH * STEPS, seed=7), GLOBAL_BATCH, dp_rank, dp_size)
-    recorder = LossRecorder()
-    trainer = _trainer(world if kwargs is not None else 1, strategy, [recorder], precision)
+    recorder, initial = LossRecorder(), _InitialWeights()
+    trainer = _trainer(world if kwargs is not None else 1, strategy, [recorder, initial], precision)
+    with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
+        module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3)
+    assert all(param.is_meta for param in module.parameters()) == meta
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     params = {name: full_copy(param) for name, param in module.model.named_parameters()}
-    updates = {name: params[name] - initial[name].to(params[name].dtype) for name in params}
+    updates = {name: params[name] - initial.weights[name].to(params[name].dtype) for name in params}
     layout = {name: type(param).__name__ for name, param in module.model.named_parameters()}
-    return {"losses": recorder.losses, "params": params, "updates": updates, "layout": layout}
+    return {
+        "losses": recorder.losses,
+        "params": params,
+        "updates": updates,
+        "layout": layout,
+        "initial": initial.weights,
+    }
 
 
 def _run_configs(rank: int, world: int, names: list[str]) -> dict:
     results = {name: _fit_reference_vlm(rank, world, dict(CONFIGS[name][1])) for name in names}
+    for name in META_CONFIGS:
+        if name in names:
+            results[f"{name}/meta"] = _fit_reference_vlm(rank, world, dict(CONFIGS[name][1]), meta=True)
     for name in FLOAT32_CONFIGS:
         if name in names:
             results[f"{name}/float32"] = _fit_reference_vlm(rank, world, dict(CONFIGS[name][1]), "32-true")
@@ -119,10 +148,15 @@ def _parallel_results(world: int) -> dict:
 # Time: the first configuration of each world size pays for its cached launch, the later ones take ~0 s: fsdp2 for the
 # 2-rank one (8 fits) and the in-process reference, fsdp2xtp2 for the 4-rank one (3 fits of 5 float64 steps on 4 ranks
 # sharing 2 cores). One launch per world size is already the minimum; 5 steps give AdamW and clipping several updates.
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CONFIGS) + [f"{name}/meta" for name in META_CONFIGS])
 def test_hybrid_strategy_matches_one_process(name):
+    """A mesh run equals one process; ``NAME/meta``: also when the module was built on the meta device and each rank
+    initialised only its shards (the initial weights equal the one-process build's exactly)."""
     reference = _reference()
-    result = _parallel_results(CONFIGS[name][0])[name]
+    result = _parallel_results(CONFIGS[name.removesuffix("/meta")][0])[name]
+    if name.endswith("/meta"):
+        for param_name, expected in reference["initial"].items():
+            torch.testing.assert_close(result["initial"][param_name], expected, rtol=0, atol=0, msg=param_name)
     assert len(reference["losses"]) == STEPS
     assert reference["losses"][0] != reference["losses"][-1]  # the reference trains
     torch.testing.assert_close(

@@ -22,6 +22,7 @@ shard them by heads without touching this file.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field, fields, replace
 
@@ -31,6 +32,7 @@ from torch import nn
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.parallel.collectives import at_least_float32
+from lightning_mm.parallel.materialize import fill_from_full
 
 __all__ = [
     "Attention",
@@ -474,11 +476,53 @@ def segment_last(x: torch.Tensor, segment: torch.Tensor, slots: int) -> torch.Te
     return x.gather(1, last[..., None].expand(-1, -1, x.shape[-1]))
 
 
+def _param_generator(seed: int, fqn: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def _initial_value(module: nn.Module, name: str, fqn: str, generator: torch.Generator):
+    """``make(shape, dtype) -> full initial value`` of parameter ``name`` of ``module`` (``init_weights``)."""
+
+    # Drawn and rounded in float32 whatever the parameter's dtype, then cast: the same values whether the model is
+    # built in float32 and converted (DoublePrecision) or built in its final dtype (trainer.init_module).
+    def normal(std: float):
+        return lambda shape, dtype: (
+            torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator).to(dtype)
+        )
+
+    def constant(value: float):
+        return lambda shape, dtype: torch.full(shape, value, dtype=torch.float32).to(dtype)
+
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return normal(0.02) if name == "weight" else constant(0.0)
+    if isinstance(module, nn.LayerNorm):
+        return constant(1.0) if name == "weight" else constant(0.0)
+    if isinstance(module, ModalityExperts):
+        if name in ("w_in", "w_out"):
+            fan_in = getattr(module, name).shape[1]
+            return normal(fan_in**-0.5)
+        return constant(0.0)
+    if isinstance(module, FusionBlock) and name == "cross_attn_gate":
+        return constant(0.5)
+    if isinstance(module, VisionLanguageModel) and name == "logit_scale":
+        return constant(math.log(1 / 0.07))
+    raise TypeError(f"init_weights: no initialisation for {fqn} ({type(module).__name__}.{name}); add it")
+
+
+def _permuted(make, order: list[int]):
+    return lambda shape, dtype: make(shape, dtype)[order]
+
+
 class VisionLanguageModel(nn.Module):
     def __init__(self, config: VLMConfig) -> None:
         super().__init__()
         config.validate()
         self.config = config
+        # One draw from the global generator, before any layer (whose own initialisation draws only when it is not
+        # on the meta device), on the CPU whatever the default device: the seed of every parameter's own generator
+        # (init_weights), the same in a whole build and a meta-device one.
+        self.init_seed = int(torch.randint(2**62, (1,), device="cpu").item())
         self.vision = VisionEncoder(config)
         self.projector = nn.Sequential(
             nn.Linear(config.vision_width, config.text_width),
@@ -497,16 +541,27 @@ class VisionLanguageModel(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # CLIP's initial temperature
         self.norm = nn.LayerNorm(config.text_width, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.text_width, config.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        if not any(param.is_meta for param in self.parameters()):
+            self.init_weights(self.init_seed)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=0.02)
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from a generator of its own, seeded by ``(seed, its name)``: Linear and
+        Embedding weights N(0, 0.02) (biases zero), expert weights N(0, 1 / fan_in), LayerNorms (1, 0), the cross-
+        attention gates 0.5, ``logit_scale`` log(1 / 0.07) (CLIP's temperature).
+
+        Each parameter's full value is computed alike on every rank and each rank keeps its shard
+        (:func:`~lightning_mm.parallel.materialize.fill_from_full`), so a model built on the meta device and
+        parallelised (FSDP2, TP, pipeline stages, experts in any placement) equals the one built whole in one
+        process: the torchtitan ``init_weights`` pattern, with values that do not depend on the mesh."""
+        for module_name, module in self.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                fqn = f"{module_name}.{name}" if module_name else name
+                make = _initial_value(module, name, fqn, _param_generator(seed, fqn))
+                order = getattr(module, "expert_order", None) if isinstance(module, ModalityExperts) else None
+                if order is not None:  # expert parallel stores the experts permuted (placement "uniform")
+                    make = _permuted(make, order)
+                fill_from_full(param, make)
 
     def forward(self, batch: MultimodalBatch) -> VLMOutput:
         config = self.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -18,6 +19,7 @@ from lightning_mm.models.vlm.losses import VLMLosses, compute_losses
 from lightning_mm.models.vlm.model import VisionLanguageModel, build_config
 from lightning_mm.models.vlm.parallelize import vlm_parallel_plan
 from lightning_mm.models.vlm.pipeline import unit_costs
+from lightning_mm.parallel.materialize import has_meta_tensors
 from lightning_mm.parallel.protocol import ParallelPlan
 
 __all__ = ["VLMModule"]
@@ -25,6 +27,11 @@ __all__ = ["VLMModule"]
 
 class VLMModule(L.LightningModule):
     """Reference vision-language model with captioning + contrastive training.
+
+    Built inside ``trainer.init_module(empty_init=True)`` (Lightning's deferred initialisation) with
+    ``HybridParallelStrategy``, the model is created on the meta device (no memory), parallelised, and each rank
+    initialises only its shards (:meth:`~lightning_mm.models.vlm.model.VisionLanguageModel.init_weights`): the same
+    values as a model built whole, on any mesh.
 
     Args:
         preset: model size, one of ``tiny`` (< 1M params), ``small`` (~10M, CPU demo), ``1b`` (GPU).
@@ -70,11 +77,13 @@ class VLMModule(L.LightningModule):
             **(model_overrides or {}),
         )
         self.model = VisionLanguageModel(self.config)
-        self.val_token_accuracy = MulticlassAccuracy(
-            num_classes=self.config.vocab_size, ignore_index=IGNORE_INDEX, average="micro"
-        )
-        self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
-        self.val_recall = ImageTextRecallAtK(top_k=1)
+        # (metric states stay real under trainer.init_module(empty_init=True): they are not parameters to shard)
+        with torch.device("cpu") if torch.get_default_device().type == "meta" else contextlib.nullcontext():
+            self.val_token_accuracy = MulticlassAccuracy(
+                num_classes=self.config.vocab_size, ignore_index=IGNORE_INDEX, average="micro"
+            )
+            self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+            self.val_recall = ImageTextRecallAtK(top_k=1)
         # Read by Lightning's ThroughputMonitor (lightning_mm.callbacks.MultimodalThroughput) after every batch;
         # set from the batch's shape in on_train_batch_start / on_validation_batch_start.
         self.flops_per_batch: int | None = None
@@ -135,7 +144,7 @@ class VLMModule(L.LightningModule):
     ) -> ParallelPlan:
         """How this module is parallelized (:mod:`lightning_mm.parallel.protocol`): the reference model's TP / SP
         plan, blocks, experts and pipeline, with this module's loss weights in the pipeline objective."""
-        return vlm_parallel_plan(
+        plan = vlm_parallel_plan(
             self,
             "model",
             sequence_parallel=sequence_parallel,
@@ -144,6 +153,13 @@ class VLMModule(L.LightningModule):
             contrastive_weight=self.hparams.contrastive_weight,
             moe_aux_weight=self.hparams.moe_aux_weight,
         )
+        if has_meta_tensors(self.model):  # built under trainer.init_module(empty_init=True)
+            plan.initialize = self._initialize
+        return plan
+
+    def _initialize(self) -> None:
+        """ParallelPlan.initialize of a meta-built model: the same values as a whole build, shard by shard."""
+        self.model.init_weights(self.model.init_seed)
 
     # ------------------------------------------------------------------------------------------ steps
 
