@@ -20,12 +20,25 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["allocate_on", "fill_from_full", "has_meta_tensors", "holds_dtensors", "ties_kept"]
+__all__ = ["allocate_on", "empty_where_meta", "fill_from_full", "has_meta_tensors", "holds_dtensors", "ties_kept"]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is still on the meta device (built without memory)."""
     return any(tensor.is_meta for tensor in (*module.parameters(), *module.buffers()))
+
+
+def empty_where_meta(module: nn.Module, device: torch.device | str) -> None:
+    """``module.to_empty(device=device)`` for the subtrees that hold meta tensors only, children before their parent
+    (as ``to_empty`` itself recurses, so that an FSDP2 module re-registers its sharded parameters after its
+    children's were replaced). A subtree without meta tensors keeps its values: a torchmetrics ``Metric``'s
+    ``_apply`` would also replace its states' defaults by uninitialised memory, which every ``reset()`` then copies
+    back (Lightning has the same TODO in ``lightning.fabric.utilities.init._materialize_distributed_module``)."""
+    if not has_meta_tensors(module):
+        return
+    for child in module.children():
+        empty_where_meta(child, device)
+    module.to_empty(device=device, recurse=False)
 
 
 def holds_dtensors(module: nn.Module) -> bool:

@@ -51,7 +51,7 @@ from lightning_mm.parallel.fsdp import (
     mixed_precision_policy,
     transformer_blocks,
 )
-from lightning_mm.parallel.materialize import has_meta_tensors, holds_dtensors, ties_kept
+from lightning_mm.parallel.materialize import empty_where_meta, has_meta_tensors, holds_dtensors, ties_kept
 from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions
 from lightning_mm.parallel.plans import apply_tensor_parallel
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
@@ -395,7 +395,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         with ties_kept(module):
             if initialize is None:
                 return materialize_distributed_module(module, self.root_device)
-            module.to_empty(device=self.root_device)
+            empty_where_meta(module, self.root_device)
         initialize()
 
     def _fsdp_mesh(self) -> DeviceMesh | None:

@@ -29,6 +29,7 @@ import functools
 import lightning as L
 import pytest
 import torch
+import torchmetrics
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -114,12 +115,19 @@ def _fit_reference_vlm(
     params = {name: full_copy(param) for name, param in module.model.named_parameters()}
     updates = {name: params[name] - initial.weights[name].to(params[name].dtype) for name in params}
     layout = {name: type(param).__name__ for name, param in module.model.named_parameters()}
+    # The module's torchmetrics states start from zero after a reset, also when the model was built on meta (a
+    # to_empty of the whole module replaced their defaults by uninitialised memory).
+    reset_states = []
+    for metric in (m for m in module.modules() if isinstance(m, torchmetrics.Metric)):
+        metric.reset()
+        reset_states += [v for v in metric.metric_state.values() if isinstance(v, torch.Tensor)]
     return {
         "losses": recorder.losses,
         "params": params,
         "updates": updates,
         "layout": layout,
         "initial": initial.weights,
+        "metrics_reset_to_zero": len(reset_states) > 0 and all(bool((v == 0).all()) for v in reset_states),
     }
 
 
@@ -154,6 +162,7 @@ def test_hybrid_strategy_matches_one_process(name):
     initialised only its shards (the initial weights equal the one-process build's exactly)."""
     reference = _reference()
     result = _parallel_results(CONFIGS[name.removesuffix("/meta")][0])[name]
+    assert result["metrics_reset_to_zero"] and reference["metrics_reset_to_zero"]
     if name.endswith("/meta"):
         for param_name, expected in reference["initial"].items():
             torch.testing.assert_close(result["initial"][param_name], expected, rtol=0, atol=0, msg=param_name)

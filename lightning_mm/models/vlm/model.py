@@ -485,14 +485,15 @@ def _initial_value(module: nn.Module, name: str, fqn: str, generator: torch.Gene
     """``make(shape, dtype) -> full initial value`` of parameter ``name`` of ``module`` (``init_weights``)."""
 
     # Drawn and rounded in float32 whatever the parameter's dtype, then cast: the same values whether the model is
-    # built in float32 and converted (DoublePrecision) or built in its final dtype (trainer.init_module).
+    # built in float32 and converted (DoublePrecision) or built in its final dtype (trainer.init_module). On the CPU
+    # whatever the default device (the generator's; fill_from_full copies to the parameter's device).
     def normal(std: float):
         return lambda shape, dtype: (
-            torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator).to(dtype)
+            torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator).to(dtype)
         )
 
     def constant(value: float):
-        return lambda shape, dtype: torch.full(shape, value, dtype=torch.float32).to(dtype)
+        return lambda shape, dtype: torch.full(shape, value, dtype=torch.float32, device="cpu").to(dtype)
 
     if isinstance(module, (nn.Linear, nn.Embedding)):
         return normal(0.02) if name == "weight" else constant(0.0)
