@@ -28,9 +28,18 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_mm.batch import MultimodalBatch
+from lightning_mm.datamodules.regroup import collate_packed
 from lightning_mm.models.hf import HFCausalLMModule  # needs the [hf] extra (scripts/setup.sh installs it)
 from lightning_mm.strategies import HybridParallelStrategy
-from tests.helpers import LossRecorder, assert_float32_noise, full_copy, precision_settings, run_distributed
+from tests.helpers import (
+    LossRecorder,
+    assert_float32_noise,
+    full_copy,
+    precision_settings,
+    random_samples,
+    run_distributed,
+)
 from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, token_batches
 
 STEPS, SEED, CLIP, LR = 5, 0, 1.0, 3e-3
@@ -80,11 +89,27 @@ def image_text_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
+def packed_batches(dp_rank: int, dp: int) -> list[MultimodalBatch]:
+    """Two global batches of 8 packed rows (``regroup: pack``'s layout: 3 samples of 3-13 tokens in a 40-token row,
+    positions restarting at each, padding after), alternated over the steps; this data-parallel rank's rows."""
+    samples = random_samples(2 * 3 * GLOBAL_BATCH, vocab_size=IMAGE_TOKEN, patches=(1, 2), seed=5)
+    rows = [samples[3 * row : 3 * row + 3] for row in range(2 * GLOBAL_BATCH)]
+    per = GLOBAL_BATCH // dp
+    batches = [
+        collate_packed(rows[index * GLOBAL_BATCH :][:GLOBAL_BATCH], 4, 40, pad_id=0).select_rows(
+            slice(dp_rank * per, (dp_rank + 1) * per)
+        )
+        for index in range(2)
+    ]
+    return [batches[step % 2] for step in range(STEPS)]
+
+
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 MODELS = {
     "llama": (LLAMA, llama_batches, {}),
     "llama_lora": (LLAMA, llama_batches, {"lora": LORA}),  # the adapters follow their layers onto the stages
     "llava": (LLAVA, image_text_batches, {}),
+    "llama_packed": (LLAMA, packed_batches, {}),  # several samples per row, attention kept inside each
 }
 
 
@@ -146,7 +171,10 @@ def _losses(run: dict) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model, mesh", [("llama", mesh) for mesh in MESHES] + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
+    "model, mesh",
+    [("llama", mesh) for mesh in MESHES]
+    + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
+    + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")],
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are

@@ -27,25 +27,28 @@ def module(model_type: str, **overrides) -> HFCausalLMModule:
     return HFCausalLMModule(config=config)
 
 
-def inputs(model_type: str) -> tuple[torch.Tensor, ...]:
+def inputs(model_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(input_ids, position_ids, pixel_values or None)``: 3 rows, one with right padding, one packing 2 samples."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 90, (3, 24), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, 19:] = 0  # right padding
+    positions = as_causal_lm_batch({"input_ids": ids, "attention_mask": mask})["position_ids"]
+    positions[2, 14:] = torch.arange(10)  # a second sample from token 14 on
     if model_type != "llava":
-        return ids, mask
+        return ids, positions, None
     ids[:, :IMAGE_TOKENS] = IMAGE_TOKEN
-    return ids, mask, torch.randn(3, 3, 16, 16, generator=gen)
+    return ids, positions, torch.randn(3, 3, 16, 16, generator=gen)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "llava"])
 def test_stages_compose_to_the_whole_model(model_type):
     whole = module(model_type)
-    args = inputs(model_type)
-    expected = whole(*args)
+    ids, positions, pixels = inputs(model_type)
+    expected = whole(ids, pixel_values=pixels, position_ids=positions)
     spec = whole.parallel_plan(microbatches=1).pipeline
     split = explicit_split(spec.units, [spec.units[2], spec.units[4]], 3)  # embed+layer0 | layers 1-2 | layer 3+head
-    out, held = args, []
+    out, held = (ids, positions) + ((pixels,) if pixels is not None else ()), []
     for stage in range(3):
         copy_ = copy.deepcopy(whole)
         (stage_module,) = copy_.parallel_plan(microbatches=1).pipeline.build_stages(split, [stage])
@@ -137,9 +140,11 @@ def test_batches():
     samples = random_samples(4, vocab_size=50)
     single = as_causal_lm_batch(collate_one_per_row(samples, pad_id=0))
     assert single["input_ids"].shape == single["targets"].shape
-    packed = collate_packed([samples[:2], samples[2:]], max_patches_per_row=64, max_tokens_per_row=64, pad_id=0)
-    with pytest.raises(ValueError, match="one caption per row.*regroup"):
-        as_causal_lm_batch(packed)
+    packed = as_causal_lm_batch(
+        collate_packed([samples[:2], samples[2:]], max_patches_per_row=64, max_tokens_per_row=64, pad_id=0)
+    )
+    second = len(samples[0].tokens)  # the second sample of row 0 restarts at position 0
+    assert packed["position_ids"][0, second - 1 : second + 1].tolist() == [second - 1, 0]
     with pytest.raises(TypeError, match="input_ids"):
         as_causal_lm_batch([ids])
 

@@ -102,8 +102,8 @@ class HFCausalLMModule(L.LightningModule):
     when ``configure_model()`` is called outside a ``Trainer``, ``from_pretrained`` loads it whole. LoRA adapters are
     initialised from the seed current at construction, full value by full value, so any mesh equals one process.
 
-    Batches: a :class:`~lightning_mm.batch.MultimodalBatch` with one caption per row (text only is used) or a
-    mapping with ``input_ids`` / ``attention_mask`` / ``labels`` (HF convention), see
+    Batches: a :class:`~lightning_mm.batch.MultimodalBatch` with one caption per row or several packed (text only is
+    used) or a mapping with ``input_ids`` / ``attention_mask`` / ``labels`` / ``position_ids`` (HF convention), see
     :func:`~lightning_mm.models.hf.parallelize.as_causal_lm_batch`. The loss is the mean over every target token of
     the global batch (data-parallel ranks included), as one process would compute it.
     """
@@ -218,14 +218,22 @@ class HFCausalLMModule(L.LightningModule):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``input_ids (R, T)`` (and for a LLaVA-style model ``pixel_values (R, 3, H, W)``) -> logits ``(R, T, V)``."""
+        """``input_ids (R, T)`` (and for a LLaVA-style model ``pixel_values (R, 3, H, W)``) -> logits ``(R, T, V)``.
+
+        ``position_ids (R, T)`` restarting at 0 at each packed sample (see
+        :func:`~lightning_mm.models.hf.parallelize.as_causal_lm_batch`) replace ``attention_mask``: transformers then
+        keeps each token's attention inside its own sample."""
         extra = {} if pixel_values is None else {"pixel_values": pixel_values}
+        if position_ids is not None:
+            extra["position_ids"] = position_ids
+            attention_mask = None  # (transformers looks for packed samples only without a mask)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         data = as_causal_lm_batch(batch)
-        logits = self(data["input_ids"], data["attention_mask"], data.get("pixel_values"))
+        logits = self(data["input_ids"], pixel_values=data.get("pixel_values"), position_ids=data["position_ids"])
         normalizer = token_normalizer(data["targets"], data_parallel_group(self._trainer))
         return causal_lm_loss_sum(logits, data["targets"]) / normalizer, data
 

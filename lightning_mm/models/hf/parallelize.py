@@ -244,21 +244,27 @@ def hf_tp_plan(layout: DecoderLayout, lm: nn.Module) -> dict[str, str | Parallel
 
 
 def as_causal_lm_batch(batch: Any) -> dict[str, torch.Tensor]:
-    """``{"input_ids", "attention_mask", "targets"}`` (each ``(R, T)`` long) from a batch.
+    """``{"input_ids", "position_ids", "attention_mask", "targets"}`` (each ``(R, T)`` long) from a batch.
 
-    Accepted: a :class:`~lightning_mm.batch.MultimodalBatch` with one caption per row (its ``labels`` are next-token
-    targets already; the image is ignored), or a mapping with ``input_ids`` and optional ``attention_mask`` /
-    ``labels`` in Hugging Face's convention (``labels`` aligned with ``input_ids``, shifted here; default: the
-    input ids where the mask is 1). ``targets[:, t]`` is the token to predict at position ``t``, ``-100`` for none.
+    Accepted: a :class:`~lightning_mm.batch.MultimodalBatch`, one caption per row or several packed into a row
+    (``regroup: pack``; its ``labels`` are next-token targets within each caption already; the images are ignored),
+    or a mapping with ``input_ids`` and optional ``attention_mask`` / ``labels`` / ``position_ids`` in Hugging Face's
+    convention (``labels`` aligned with ``input_ids``, shifted here; default: the input ids where the mask is 1;
+    packed sequences as transformers' ``DataCollatorWithFlattening`` writes them: ``position_ids`` restarting at 0 at
+    each sequence, a label of -100 on each sequence's first token). ``targets[:, t]`` is the token to predict at
+    position ``t``, ``-100`` for none; ``attention_mask`` is 1 on real tokens.
+
+    ``position_ids`` restart at 0 at every segment, and at the start of padding: the model is called with them and
+    without an attention mask, so transformers' masks keep every token's attention inside its own segment
+    (``masking_utils.find_packed_sequence_indices``) and a packed row trains as its samples one per row would.
     """
     if isinstance(batch, MultimodalBatch):
-        if batch.segment_slots > 1 and bool((batch.sample_ids[:, 1:] >= 0).any()):
-            raise ValueError(
-                "a causal LM needs one caption per row, but this MultimodalBatch packs several samples per row; use "
-                "regroup='none' or 'bucket' in the DataModule"
-            )
-        mask = (batch.token_segment >= 0).long()
-        return {"input_ids": batch.tokens, "attention_mask": mask, "targets": batch.labels}
+        return {
+            "input_ids": batch.tokens,
+            "position_ids": segment_positions(batch.token_segment),
+            "attention_mask": (batch.token_segment >= 0).long(),
+            "targets": batch.labels,
+        }
     if isinstance(batch, Mapping) and "input_ids" in batch:
         input_ids = batch["input_ids"]
         mask = batch.get("attention_mask")
@@ -268,15 +274,31 @@ def as_causal_lm_batch(batch: Any) -> dict[str, torch.Tensor]:
             labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
         if labels.shape != input_ids.shape:
             raise ValueError(f"batch['labels'] has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = segment_positions(mask - 1)  # one segment per run of real tokens / of padding
+        elif positions.shape != input_ids.shape:
+            raise ValueError(
+                f"batch['position_ids'] has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}"
+            )
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
-        out = {"input_ids": input_ids, "attention_mask": mask, "targets": targets}
+        out = {"input_ids": input_ids, "position_ids": positions, "attention_mask": mask, "targets": targets}
         if batch.get("pixel_values") is not None:  # a LLaVA-style model: (R, 3, H, W), one image per row
             out["pixel_values"] = batch["pixel_values"]
         return out
     raise TypeError(
         f"a causal LM batch must be a MultimodalBatch or a mapping with 'input_ids' (and optional "
-        f"'attention_mask', 'labels'), got {type(batch).__name__}"
+        f"'attention_mask', 'labels', 'position_ids'), got {type(batch).__name__}"
     )
+
+
+def segment_positions(segment: torch.Tensor) -> torch.Tensor:
+    """``segment (R, T)`` ids (``-1`` padding) -> ``(R, T)`` positions counting from 0 in each run of equal ids:
+    a packed sample restarts at 0, and so does the padding after it (a run of its own, which no real token sees)."""
+    index = torch.arange(segment.shape[1], device=segment.device).expand_as(segment)
+    starts = torch.ones_like(segment, dtype=torch.bool)
+    starts[:, 1:] = segment[:, 1:] != segment[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -328,9 +350,10 @@ class CausalLMObjective(PipelineObjective):
 class CausalLMStage(nn.Module):
     """One pipeline stage of a pruned causal LM: the decoder's own forward over the units this rank holds.
 
-    ``forward(x (R, T), attention_mask (R, T))``: ``x`` is ``input_ids`` on stage 0, the previous stage's hidden
-    states ``(R, T, H)`` after; returns ``(hidden (R, T, H), attention_mask)``, or the logits ``(R, T, V)`` on the
-    last stage.
+    ``forward(x (R, T), position_ids (R, T))``: ``x`` is ``input_ids`` on stage 0, the previous stage's hidden states
+    ``(R, T, H)`` after; returns ``(hidden (R, T, H), position_ids)``, or the logits ``(R, T, V)`` on the last stage.
+    The positions restart at each packed sample (:func:`as_causal_lm_batch`); every stage's decoder rebuilds its
+    rotary embeddings and its segment-wise causal mask from them.
     """
 
     def __init__(self, lm: nn.Module, entry: nn.Module, first: bool, last: bool) -> None:
@@ -340,9 +363,9 @@ class CausalLMStage(nn.Module):
         self._entry = [entry]
         self.first, self.last = first, last
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, pixel_values: torch.Tensor | None = None) -> Any:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> Any:
         """``pixel_values (R, 3, H, W)``: stage 0 of a vision-language model (one image per row)."""
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False}
+        kwargs: dict[str, Any] = {"position_ids": position_ids, "use_cache": False}
         if self.first:
             if pixel_values is not None:
                 kwargs["pixel_values"] = pixel_values
@@ -351,7 +374,7 @@ class CausalLMStage(nn.Module):
             hidden = self.lm.get_decoder()(inputs_embeds=x, **kwargs).last_hidden_state
         if self.last:
             return self.lm.get_output_embeddings()(hidden)
-        return hidden, attention_mask
+        return hidden, position_ids
 
 
 def _unit_costs(root: nn.Module, layout: DecoderLayout) -> dict[str, float]:
@@ -381,9 +404,12 @@ def _fixed_length_padder(max_length: int | None):
             )
         pad = length[0] - current
         if pad:
+            # The added padding is a run of its own, its positions from 0 (as segment_positions numbers padding).
+            added = torch.arange(pad, device=out["position_ids"].device).expand(out["position_ids"].shape[0], -1)
             out = {
                 **out,
                 "input_ids": F.pad(out["input_ids"], (0, pad), value=0),
+                "position_ids": torch.cat([out["position_ids"], added], dim=1),
                 "attention_mask": F.pad(out["attention_mask"], (0, pad), value=0),
                 "targets": F.pad(out["targets"], (0, pad), value=IGNORE_INDEX),
             }
@@ -452,8 +478,7 @@ def causal_lm_parallel_plan(
         units=layout.units,
         build_stages=build_stages,
         inputs=lambda batch: (
-            (batch["input_ids"], batch["attention_mask"])
-            + ((batch["pixel_values"],) if "pixel_values" in batch else ())
+            (batch["input_ids"], batch["position_ids"]) + ((batch["pixel_values"],) if "pixel_values" in batch else ())
         ),
         target=lambda batch: batch["targets"],
         objective=CausalLMObjective(microbatches),

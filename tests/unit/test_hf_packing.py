@@ -1,0 +1,94 @@
+"""Packed rows for Hugging Face causal LMs, in one process: a row holding several samples (``regroup: pack``, or
+transformers' ``DataCollatorWithFlattening``) gives each sample the logits and the loss it has alone in a row of its
+own. The positions restart at every sample and the model is called without an attention mask, so transformers'
+masks keep attention inside each sample (``masking_utils.find_packed_sequence_indices``); with the positions of one
+long sequence instead, the samples would attend to each other, and the same comparison fails (checked below)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_mm.batch import IGNORE_INDEX
+from lightning_mm.datamodules.regroup import collate_packed
+from lightning_mm.datamodules.stages import collate_one_per_row
+from lightning_mm.models.hf import HFCausalLMModule, as_causal_lm_batch
+from lightning_mm.models.hf.parallelize import causal_lm_loss_sum, segment_positions
+from tests.helpers import random_samples
+from tests.hf_models import LLAMA, VOCAB
+
+TEXT = {key: value for key, value in LLAMA.items() if key != "model_type"}
+
+
+def _module(model_type: str) -> HFCausalLMModule:
+    torch.manual_seed(0)
+    return HFCausalLMModule(config={"model_type": model_type, **TEXT})
+
+
+def _loss_and_logits(module: HFCausalLMModule, batch, positions: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss (summed cross entropy / target tokens) and the logits ``(N, V)`` of the rows' real tokens in order."""
+    data = as_causal_lm_batch(batch)
+    if positions:
+        logits = module(data["input_ids"], position_ids=data["position_ids"])
+    else:  # one long sequence per row: the pre-packing call
+        logits = module(data["input_ids"], attention_mask=data["attention_mask"])
+    loss = causal_lm_loss_sum(logits, data["targets"]) / (data["targets"] != IGNORE_INDEX).sum()
+    return loss, logits[data["attention_mask"].bool()]
+
+
+def _samples():
+    return random_samples(7, vocab_size=VOCAB, patches=(1, 2), seed=3)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_a_packed_row_trains_each_sample_as_a_row_of_its_own(model_type):
+    module = _module(model_type).double()
+    samples = _samples()
+    rows = [samples[0:3], samples[3:5], samples[5:7]]
+    packed = collate_packed(rows, max_patches_per_row=4, max_tokens_per_row=48, pad_id=0)
+    assert int((packed.sample_ids >= 0).sum(dim=1).max()) == 3  # several samples in a row, and padding after them
+    one_per_row = collate_one_per_row(samples, pad_id=0)
+    loss, logits = _loss_and_logits(module, packed)
+    expected_loss, expected_logits = _loss_and_logits(module, one_per_row)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-10, atol=1e-10)  # the same tokens in the same order
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=0)
+    # float32 as trained: within 1e-5
+    module = module.float()
+    loss32, _ = _loss_and_logits(module, packed)
+    torch.testing.assert_close(loss32.double(), expected_loss, rtol=1e-5, atol=0)
+    # The check can fail: the same rows as one long sequence each let the samples attend to each other.
+    crossed, crossed_logits = _loss_and_logits(module.double(), packed, positions=False)
+    assert (crossed_logits - expected_logits).abs().max() > 1e-3
+
+
+def test_transformers_flattening_collator_trains_as_the_padded_batch():
+    from transformers import DataCollatorWithFlattening
+
+    module = _module("llama").double()
+    samples = _samples()
+    flat = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": s.tokens.tolist()} for s in samples])
+    assert flat["input_ids"].shape[0] == 1 and "position_ids" in flat  # every sample in one row
+    lengths = [len(s.tokens) for s in samples]
+    padded_ids = torch.zeros(len(samples), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(padded_ids)
+    for row, s in enumerate(samples):
+        padded_ids[row, : lengths[row]] = s.tokens
+        mask[row, : lengths[row]] = 1
+    loss, logits = _loss_and_logits(module, dict(flat))
+    expected_loss, expected_logits = _loss_and_logits(module, {"input_ids": padded_ids, "attention_mask": mask})
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=0)
+
+
+def test_positions_restart_at_each_segment_and_at_the_padding():
+    segment = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 0, 0, 0, 0, 0, 0], [-1, -1, 0, 0, 0, 1, 1, -1]])
+    assert segment_positions(segment).tolist() == [
+        [0, 1, 2, 0, 1, 0, 0, 1],
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [0, 1, 0, 1, 2, 0, 1, 0],
+    ]
+
+
+def test_position_ids_of_another_shape_are_refused():
+    with pytest.raises(ValueError, match=r"batch\['position_ids'\] has shape \(1, 3\), input_ids \(1, 4\)"):
+        as_causal_lm_batch({"input_ids": torch.ones(1, 4, dtype=torch.long), "position_ids": torch.zeros(1, 3)})
