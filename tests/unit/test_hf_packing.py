@@ -1,8 +1,8 @@
-"""Packed rows for Hugging Face causal LMs, in one process: a row holding several samples (``regroup: pack``, or
-transformers' ``DataCollatorWithFlattening``) gives each sample the logits and the loss it has alone in a row of its
-own. The positions restart at every sample and the model is called without an attention mask, so transformers'
-masks keep attention inside each sample (``masking_utils.find_packed_sequence_indices``); with the positions of one
-long sequence instead, the samples would attend to each other, and the same comparison fails (checked below)."""
+"""Packed rows for Hugging Face causal LMs and a LLaVA-style model, in one process: a row holding several samples
+(``regroup: pack``, or transformers' ``DataCollatorWithFlattening``) gives each sample the logits and the loss it has
+alone in a row of its own. The positions restart at every sample and the model is called without an attention mask,
+so transformers' masks keep attention inside each sample (``masking_utils.find_packed_sequence_indices``); with the
+positions of one long sequence instead, the samples would attend to each other, and the same comparison fails."""
 
 from __future__ import annotations
 
@@ -92,3 +92,45 @@ def test_positions_restart_at_each_segment_and_at_the_padding():
 def test_position_ids_of_another_shape_are_refused():
     with pytest.raises(ValueError, match=r"batch\['position_ids'\] has shape \(1, 3\), input_ids \(1, 4\)"):
         as_causal_lm_batch({"input_ids": torch.ones(1, 4, dtype=torch.long), "position_ids": torch.zeros(1, 3)})
+
+
+def test_a_packed_llava_row_keeps_each_sample_with_its_own_image():
+    """LLaVA-style: 3 samples (16 image tokens, then text), each with its image, in one row or one per row. transformers
+    fills the image tokens with the images in order, so each segment gets its own image."""
+    import copy
+
+    from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAVA
+
+    torch.manual_seed(0)
+    module = HFCausalLMModule(config=copy.deepcopy(LLAVA)).double()
+    gen = torch.Generator().manual_seed(4)
+    texts = [torch.randint(1, IMAGE_TOKEN, (length,), generator=gen) for length in (5, 9, 7)]
+    pixels = torch.randn(len(texts), 3, 16, 16, generator=gen, dtype=torch.float64)
+    sequences = [torch.cat([torch.full((IMAGE_TOKENS,), IMAGE_TOKEN), text]) for text in texts]
+    labels = [torch.cat([torch.full((IMAGE_TOKENS,), IGNORE_INDEX), text]) for text in texts]  # no loss on images
+    longest = max(len(s) for s in sequences)
+    padded = {
+        "input_ids": torch.stack([torch.nn.functional.pad(s, (0, longest - len(s))) for s in sequences]),
+        "attention_mask": torch.stack([torch.arange(longest) < len(s) for s in sequences]).long(),
+        "labels": torch.stack([torch.nn.functional.pad(y, (0, longest - len(y)), value=IGNORE_INDEX) for y in labels]),
+        "pixel_values": pixels,
+    }
+    packed = {
+        "input_ids": torch.cat(sequences)[None],
+        "position_ids": torch.cat([torch.arange(len(s)) for s in sequences])[None],
+        "labels": torch.cat(labels)[None],
+        "pixel_values": pixels,
+    }
+    results = []
+    for batch in (packed, padded):
+        data = as_causal_lm_batch(batch)
+        logits = module(data["input_ids"], pixel_values=data["pixel_values"], position_ids=data["position_ids"])
+        loss = causal_lm_loss_sum(logits, data["targets"]) / (data["targets"] != IGNORE_INDEX).sum()
+        results.append((loss, logits[data["attention_mask"].bool()]))
+    (loss, logits), (expected_loss, expected_logits) = results
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=0)
+    # The images are really each sample's own: another order of the images changes the text logits.
+    shuffled = as_causal_lm_batch({**packed, "pixel_values": pixels[[1, 2, 0]]})
+    other = module(shuffled["input_ids"], pixel_values=shuffled["pixel_values"], position_ids=shuffled["position_ids"])
+    assert (other[0] - logits).abs().max() > 1e-3
