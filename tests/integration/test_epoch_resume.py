@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -61,6 +62,7 @@ def _start(root: Path, devices: int, *overrides: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its ranks are killed with it (see _outputs)
     )
 
 
@@ -73,8 +75,9 @@ def _outputs(*processes: subprocess.Popen) -> list[str]:
     finally:
         for process in processes:
             if process.poll() is None:
-                process.kill()
-                process.communicate()
+                # The whole session: Lightning's rank processes would keep the pipe open (and run on) otherwise.
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
     for process, output in zip(processes, outputs, strict=True):
         assert process.returncode == 0, output[-4000:]
     return outputs

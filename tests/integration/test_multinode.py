@@ -122,7 +122,7 @@ def hsdp_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hsdp")
     one = _torchrun(root / "one_node", 1, 0, 4, free_port(), *HSDP)
     two = _two_nodes(root / "two_nodes", *HSDP)
-    code, *two_codes = _wait([one, *two])
+    code, *two_codes = _wait([one, *two], timeout=600)  # two launches sharing the cores
     assert code == 0, (root / "one_node" / "node0.log").read_text()[-3000:]
     losses = _losses(root / "one_node")
     assert len(losses) == STEPS and losses[0] != losses[-1]

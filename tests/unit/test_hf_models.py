@@ -27,8 +27,9 @@ def module(model_type: str, **overrides) -> HFCausalLMModule:
     return HFCausalLMModule(config=config)
 
 
-def inputs(model_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(input_ids, position_ids, pixel_values or None)``: 3 rows, one with right padding, one packing 2 samples."""
+def inputs(model_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(input_ids, attention_mask, position_ids, pixel_values or None)``: 3 rows, one with right padding, one
+    packing 2 samples."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 90, (3, 24), generator=gen)
     mask = torch.ones_like(ids)
@@ -36,19 +37,19 @@ def inputs(model_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | 
     positions = as_causal_lm_batch({"input_ids": ids, "attention_mask": mask})["position_ids"]
     positions[2, 14:] = torch.arange(10)  # a second sample from token 14 on
     if model_type != "llava":
-        return ids, positions, None
+        return ids, mask, positions, None
     ids[:, :IMAGE_TOKENS] = IMAGE_TOKEN
-    return ids, positions, torch.randn(3, 3, 16, 16, generator=gen)
+    return ids, mask, positions, torch.randn(3, 3, 16, 16, generator=gen)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "llava"])
 def test_stages_compose_to_the_whole_model(model_type):
     whole = module(model_type)
-    ids, positions, pixels = inputs(model_type)
-    expected = whole(ids, pixel_values=pixels, position_ids=positions)
+    ids, mask, positions, pixels = inputs(model_type)
+    expected = whole(ids, mask, pixels, position_ids=positions)
     spec = whole.parallel_plan(microbatches=1).pipeline
     split = explicit_split(spec.units, [spec.units[2], spec.units[4]], 3)  # embed+layer0 | layers 1-2 | layer 3+head
-    out, held = (ids, positions) + ((pixels,) if pixels is not None else ()), []
+    out, held = (ids, mask, positions) + ((pixels,) if pixels is not None else ()), []
     for stage in range(3):
         copy_ = copy.deepcopy(whole)
         (stage_module,) = copy_.parallel_plan(microbatches=1).pipeline.build_stages(split, [stage])

@@ -13,7 +13,7 @@ from lightning_mm.batch import IGNORE_INDEX
 from lightning_mm.datamodules.regroup import collate_packed
 from lightning_mm.datamodules.stages import collate_one_per_row
 from lightning_mm.models.hf import HFCausalLMModule, as_causal_lm_batch
-from lightning_mm.models.hf.parallelize import causal_lm_loss_sum, segment_positions
+from lightning_mm.models.hf.parallelize import causal_lm_loss_sum, is_packed, layout_kwargs, segment_positions
 from tests.helpers import random_samples
 from tests.hf_models import LLAMA, VOCAB
 
@@ -134,3 +134,47 @@ def test_a_packed_llava_row_keeps_each_sample_with_its_own_image():
     shuffled = as_causal_lm_batch({**packed, "pixel_values": pixels[[1, 2, 0]]})
     other = module(shuffled["input_ids"], pixel_values=shuffled["pixel_values"], position_ids=shuffled["position_ids"])
     assert (other[0] - logits).abs().max() > 1e-3
+
+
+def test_rows_of_one_sample_keep_their_attention_mask():
+    """Left padding with HF's positions (arange over the whole row) is one sample per row: the mask is kept, as before
+    packing existed (the positions alone would let the real tokens attend to the padding)."""
+    module = _module("llama").double()
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8])
+    positions = torch.arange(8).expand(2, 8)
+    with_positions = module(ids, mask, position_ids=positions)
+    torch.testing.assert_close(with_positions, module(ids, mask), rtol=0, atol=0)
+    assert not is_packed(mask, positions)
+    assert layout_kwargs(module.causal_lm, mask, positions).keys() == {"attention_mask"}
+
+
+def test_positions_that_do_not_say_where_samples_start_are_refused():
+    mask = torch.ones(1, 6, dtype=torch.long)
+    for positions, column in (([0, 1, 2, 0, 2, 4], 4), ([0, 1, 0, 1, 5, 6], 4)):
+        with pytest.raises(ValueError, match=rf"row 0, column {column} has position"):
+            is_packed(mask, torch.tensor([positions]))
+    # A sample after padding starts at 0; without a restart, the row is one sample whose mask hides some tokens (the
+    # mask is then given to the model, in Hugging Face's meaning).
+    padded = torch.tensor([[1, 1, 0, 0, 1, 1]])
+    assert is_packed(padded, torch.tensor([[0, 1, 0, 1, 0, 1]]))
+    assert not is_packed(padded, torch.tensor([[0, 1, 2, 3, 4, 5]]))
+
+
+def test_packing_is_refused_for_models_not_known_to_keep_samples_apart():
+    mask, positions = torch.ones(1, 6, dtype=torch.long), torch.tensor([[0, 1, 2, 0, 1, 2]])
+    torch.manual_seed(0)
+    gemma = HFCausalLMModule(config={"model_type": "gemma", **TEXT, "head_dim": 8})
+    with pytest.raises(ValueError, match=r"packed batch.*'gemma'.*regroup='none' or 'bucket'"):
+        layout_kwargs(gemma.causal_lm, mask, positions)
+    llama = _module("llama")
+    assert layout_kwargs(llama.causal_lm, mask, positions).keys() == {"position_ids"}
+    llama.causal_lm.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match=r"attn_implementation='flash_attention_2'.*one-row batches"):
+        layout_kwargs(llama.causal_lm, mask, positions)
+
+
+def test_a_flattened_batch_without_labels_predicts_nothing_across_samples():
+    ids = torch.tensor([[11, 12, 13, 21, 22]])
+    out = as_causal_lm_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1]])})
+    assert out["targets"].tolist() == [[12, 13, IGNORE_INDEX, 22, IGNORE_INDEX]]

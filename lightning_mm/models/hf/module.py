@@ -17,6 +17,7 @@ from lightning_mm.models.hf.parallelize import (
     as_causal_lm_batch,
     causal_lm_loss_sum,
     causal_lm_parallel_plan,
+    layout_kwargs,
     token_normalizer,
 )
 from lightning_mm.models.hf.pretrained import (
@@ -220,20 +221,24 @@ class HFCausalLMModule(L.LightningModule):
         pixel_values: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``input_ids (R, T)`` (and for a LLaVA-style model ``pixel_values (R, 3, H, W)``) -> logits ``(R, T, V)``.
+        """``input_ids (R, T)`` (a LLaVA-style model: and ``pixel_values (images, 3, H, W)``) -> ``(R, T, V)`` logits.
 
-        ``position_ids (R, T)`` restarting at 0 at each packed sample (see
-        :func:`~lightning_mm.models.hf.parallelize.as_causal_lm_batch`) replace ``attention_mask``: transformers then
-        keeps each token's attention inside its own sample."""
+        With ``position_ids (R, T)`` restarting at 0 at each packed sample, a packed batch is given to the model with
+        its positions and without a mask, so transformers keeps each token's attention inside its sample; rows of one
+        sample keep their ``attention_mask`` (:func:`~lightning_mm.models.hf.parallelize.layout_kwargs`)."""
         extra = {} if pixel_values is None else {"pixel_values": pixel_values}
         if position_ids is not None:
-            extra["position_ids"] = position_ids
-            attention_mask = None  # (transformers looks for packed samples only without a mask)
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            extra.update(layout_kwargs(self.causal_lm, mask, position_ids))
+        elif attention_mask is not None:
+            extra["attention_mask"] = attention_mask
+        return self.model(input_ids=input_ids, use_cache=False, **extra).logits
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         data = as_causal_lm_batch(batch)
-        logits = self(data["input_ids"], pixel_values=data.get("pixel_values"), position_ids=data["position_ids"])
+        logits = self(
+            data["input_ids"], data["attention_mask"], data.get("pixel_values"), position_ids=data["position_ids"]
+        )
         normalizer = token_normalizer(data["targets"], data_parallel_group(self._trainer))
         return causal_lm_loss_sum(logits, data["targets"]) / normalizer, data
 

@@ -49,6 +49,7 @@ from lightning_mm.parallel.pipeline import PipelineSplit, prune_units
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, PipelineSpec
 
 __all__ = [
+    "PACKING_FAMILIES",
     "PIPELINE_FAMILIES",
     "PIPELINE_VISION_LANGUAGE",
     "CausalLMObjective",
@@ -59,6 +60,8 @@ __all__ = [
     "causal_lm_parallel_plan",
     "decoder_layout",
     "hf_tp_plan",
+    "is_packed",
+    "layout_kwargs",
 ]
 
 log = logging.getLogger(__name__)
@@ -254,9 +257,10 @@ def as_causal_lm_batch(batch: Any) -> dict[str, torch.Tensor]:
     each sequence, a label of -100 on each sequence's first token). ``targets[:, t]`` is the token to predict at
     position ``t``, ``-100`` for none; ``attention_mask`` is 1 on real tokens.
 
-    ``position_ids`` restart at 0 at every segment, and at the start of padding: the model is called with them and
-    without an attention mask, so transformers' masks keep every token's attention inside its own segment
-    (``masking_utils.find_packed_sequence_indices``) and a packed row trains as its samples one per row would.
+    ``position_ids`` restart at 0 at every sample, and at the start of padding. Rows of one sample are given to the
+    model with their ``attention_mask``, as before packing existed; a batch with a packed row with its positions
+    and without a mask (:func:`layout_kwargs`), so transformers' masks keep every token's attention inside its own
+    sample (``masking_utils.find_packed_sequence_indices``). No target crosses into the next sample.
     """
     if isinstance(batch, MultimodalBatch):
         return {
@@ -282,8 +286,11 @@ def as_causal_lm_batch(batch: Any) -> dict[str, torch.Tensor]:
                 f"batch['position_ids'] has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}"
             )
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+        # The last token of a packed sample predicts nothing (its next token starts another sample), also when the
+        # labels were defaulted from the input ids.
+        targets[:, :-1] = targets[:, :-1].masked_fill(_sample_starts(mask, positions)[:, 1:], IGNORE_INDEX)
         out = {"input_ids": input_ids, "position_ids": positions, "attention_mask": mask, "targets": targets}
-        if batch.get("pixel_values") is not None:  # a LLaVA-style model: (R, 3, H, W), one image per row
+        if batch.get("pixel_values") is not None:  # LLaVA-style: (images, 3, H, W), in the order of the image tokens
             out["pixel_values"] = batch["pixel_values"]
         return out
     raise TypeError(
@@ -299,6 +306,68 @@ def segment_positions(segment: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(segment, dtype=torch.bool)
     starts[:, 1:] = segment[:, 1:] != segment[:, :-1]
     return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+PACKING_FAMILIES = ("llama", "mistral", "qwen2")
+"""Text decoders (``model_type``) verified to train a packed row as its samples one per row (every layer attention,
+masks built by ``masking_utils``); a packed batch for another model is refused (recurrent, SSM or convolution layers
+would carry state from one sample into the next)."""
+PACKING_ATTENTION = ("sdpa", "eager")
+"""``attn_implementation`` values for packed rows (flash attention detects packed samples only in one-row batches)."""
+
+
+def _sample_starts(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``(R, T)`` bool: real tokens at position 0 with a real token before them in the row (a packed sample's start)."""
+    real = attention_mask.bool()
+    before = (real.long().cumsum(dim=1) - real.long()) > 0
+    return real & (position_ids == 0) & before
+
+
+def is_packed(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> bool:
+    """Whether some row holds several samples (:func:`as_causal_lm_batch`'s ``attention_mask`` and ``position_ids``,
+    ``(R, T)``); raises ``ValueError`` when such a batch's positions do not say where each sample starts: every real
+    token must start a sample at position 0 or follow the real token before it (position + 1)."""
+    if not bool(_sample_starts(attention_mask, position_ids).any()):
+        return False
+    real = attention_mask.bool()
+    follows = torch.zeros_like(real)
+    follows[:, 1:] = real[:, :-1] & real[:, 1:] & (position_ids[:, 1:] == position_ids[:, :-1] + 1)
+    bad = (real & ~((position_ids == 0) | follows)).nonzero()
+    if len(bad):
+        row, column = bad[0].tolist()
+        raise ValueError(
+            f"batch['position_ids'] of a packed batch: the real token at row {row}, column {column} has position "
+            f"{int(position_ids[row, column])}, neither 0 (a sample's start) nor its real predecessor's + 1; the "
+            "samples of a packed row must follow each other, each from position 0, padding outside them"
+        )
+    return True
+
+
+def layout_kwargs(
+    lm: nn.Module, attention_mask: torch.Tensor, position_ids: torch.Tensor, packed: bool | None = None
+) -> dict[str, torch.Tensor]:
+    """The keyword arguments that give the causal LM ``lm`` a batch's layout: ``{"attention_mask": ...}`` when every
+    row holds one sample (transformers numbers the positions itself, as it always did), ``{"position_ids": ...}``
+    without a mask when some row is packed (:func:`is_packed`; refused for models not known to keep packed samples
+    apart, naming the model and what to use instead)."""
+    if not (is_packed(attention_mask, position_ids) if packed is None else packed):
+        return {"attention_mask": attention_mask}
+    config = lm.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    family = str(getattr(text_config, "model_type", ""))
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if family not in PACKING_FAMILIES:
+        raise ValueError(
+            f"a packed batch (several samples per row) for {type(lm).__name__} ({family!r}): packing is verified for "
+            f"the text decoders {list(PACKING_FAMILIES)} only (layers other than attention would carry state from one "
+            "sample into the next); use regroup='none' or 'bucket' in the DataModule"
+        )
+    if attention not in PACKING_ATTENTION:
+        raise ValueError(
+            f"a packed batch with attn_implementation={attention!r}: transformers keeps packed samples apart there "
+            f"only for one-row batches; use attn_implementation in {list(PACKING_ATTENTION)}, or regroup='none'"
+        )
+    return {"position_ids": position_ids}
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -350,10 +419,10 @@ class CausalLMObjective(PipelineObjective):
 class CausalLMStage(nn.Module):
     """One pipeline stage of a pruned causal LM: the decoder's own forward over the units this rank holds.
 
-    ``forward(x (R, T), position_ids (R, T))``: ``x`` is ``input_ids`` on stage 0, the previous stage's hidden states
-    ``(R, T, H)`` after; returns ``(hidden (R, T, H), position_ids)``, or the logits ``(R, T, V)`` on the last stage.
-    The positions restart at each packed sample (:func:`as_causal_lm_batch`); every stage's decoder rebuilds its
-    rotary embeddings and its segment-wise causal mask from them.
+    ``forward(x (R, T), attention_mask (R, T), position_ids (R, T))``: ``x`` is ``input_ids`` on stage 0, the previous
+    stage's hidden states ``(R, T, H)`` after; returns ``(hidden (R, T, H), attention_mask, position_ids)``, or the
+    logits ``(R, T, V)`` on the last stage. Every stage's decoder rebuilds its rotary embeddings and causal mask from
+    the layout (:func:`layout_kwargs`: the mask for rows of one sample, the positions of a packed microbatch).
     """
 
     def __init__(self, lm: nn.Module, entry: nn.Module, first: bool, last: bool) -> None:
@@ -363,9 +432,15 @@ class CausalLMStage(nn.Module):
         self._entry = [entry]
         self.first, self.last = first, last
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> Any:
-        """``pixel_values (R, 3, H, W)``: stage 0 of a vision-language model (one image per row)."""
-        kwargs: dict[str, Any] = {"position_ids": position_ids, "use_cache": False}
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+    ) -> Any:
+        """``pixel_values (images, 3, H, W)``: stage 0 of a vision-language model."""
+        kwargs: dict[str, Any] = {**layout_kwargs(self.lm, attention_mask, position_ids), "use_cache": False}
         if self.first:
             if pixel_values is not None:
                 kwargs["pixel_values"] = pixel_values
@@ -374,7 +449,7 @@ class CausalLMStage(nn.Module):
             hidden = self.lm.get_decoder()(inputs_embeds=x, **kwargs).last_hidden_state
         if self.last:
             return self.lm.get_output_embeddings()(hidden)
-        return hidden, position_ids
+        return hidden, attention_mask, position_ids
 
 
 def _unit_costs(root: nn.Module, layout: DecoderLayout) -> dict[str, float]:
@@ -387,13 +462,14 @@ def _unit_costs(root: nn.Module, layout: DecoderLayout) -> dict[str, float]:
     return costs
 
 
-def _fixed_length_padder(max_length: int | None):
+def _fixed_length_padder(max_length: int | None, lm: nn.Module):
     """Batch -> causal LM batch padded on the right to one sequence length (pipelining needs fixed shapes):
     ``max_length``, or the first batch's length when None."""
     length: list[int] = [max_length] if max_length else []
 
     def prepare(batch: Any) -> dict[str, torch.Tensor]:
         out = as_causal_lm_batch(batch)
+        layout_kwargs(lm, out["attention_mask"], out["position_ids"])  # a packed batch the stages cannot run: refused
         current = out["input_ids"].shape[1]
         if not length:
             length.append(current)
@@ -478,12 +554,13 @@ def causal_lm_parallel_plan(
         units=layout.units,
         build_stages=build_stages,
         inputs=lambda batch: (
-            (batch["input_ids"], batch["position_ids"]) + ((batch["pixel_values"],) if "pixel_values" in batch else ())
+            (batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+            + ((batch["pixel_values"],) if "pixel_values" in batch else ())
         ),
         target=lambda batch: batch["targets"],
         objective=CausalLMObjective(microbatches),
         unit_costs=lambda: _unit_costs(root, layout),
-        prepare_batch=_fixed_length_padder(max_length),
+        prepare_batch=_fixed_length_padder(max_length, lm),
         max_stages_per_rank=1,
     )
     return ParallelPlan(tp_plan=_LazyPlan(tp_plan), blocks=blocks, pipeline=pipeline, check_degrees=check_degrees)
