@@ -440,7 +440,10 @@ class CausalLMStage(nn.Module):
         pixel_values: torch.Tensor | None = None,
     ) -> Any:
         """``pixel_values (images, 3, H, W)``: stage 0 of a vision-language model."""
-        kwargs: dict[str, Any] = {**layout_kwargs(self.lm, attention_mask, position_ids), "use_cache": False}
+        # (not validated again: prepare_batch checked the batch, and torch's pipelining runs the stages once on
+        # uninitialised inputs to infer shapes)
+        packed = bool(_sample_starts(attention_mask, position_ids).any())
+        kwargs: dict[str, Any] = {**layout_kwargs(self.lm, attention_mask, position_ids, packed), "use_cache": False}
         if self.first:
             if pixel_values is not None:
                 kwargs["pixel_values"] = pixel_values
