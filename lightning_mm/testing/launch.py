@@ -180,7 +180,7 @@ class _ProcessState:
         signums = [getattr(signal, name) for name in self._SIGNALS if hasattr(signal, name)]
         self.handlers = {signum: signal.getsignal(signum) for signum in signums}
         self.threads = set(threading.enumerate())
-        self.native_threads = _native_thread_count()
+        self.process_group_threads = _process_group_threads() or 0
         self.loggers = {name: _logger_state(name) for name in ("", *logging.root.manager.loggerDict)}
 
     def restore(self) -> None:
@@ -222,24 +222,33 @@ class _ProcessState:
         ]
         if signal.alarm(0):
             found.append("a pending SIGALRM")
-        native = _native_thread_count()
-        if native is not None and native > self.native_threads + _NATIVE_THREADS_KEPT:
-            # (torch's own threads: process groups something still holds after destroy_process_group)
-            found.append(f"{native - self.native_threads} native threads more than at start")
+        groups = _process_group_threads()
+        if groups is not None and groups > self.process_group_threads + _PROCESS_GROUP_THREADS_KEPT:
+            found.append(f"{groups - self.process_group_threads} threads of process groups still alive")
         return found
 
 
-# Native threads a launch may leave (one process group torch keeps referenced until the next launch replaces it has
-# 3-4: gloo's loop and workers, the store's); more retires the rank before leaks pile up (see _forget_process_groups).
-_NATIVE_THREADS_KEPT = 16
+# Threads of process groups (gloo's loop and workers, the store's) a launch may leave: one group torch keeps referenced
+# until the next launch replaces it has 3-4; more retires the rank before leaks pile up (see _forget_process_groups).
+# Only these are counted: thread pools that start lazily with one thread per core (OpenMP, tokenizers) are no leak.
+_PROCESS_GROUP_THREADS_KEPT = 16
+_PROCESS_GROUP_THREAD_NAMES = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")
 
 
-def _native_thread_count() -> int | None:
-    """The process's threads, Python's and native ones (None where ``/proc`` does not list them)."""
+def _process_group_threads() -> int | None:
+    """The process's threads that belong to process groups, by name (None where ``/proc`` does not list them)."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                count += comm.read().startswith(_PROCESS_GROUP_THREAD_NAMES)
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count
 
 
 def _logger_state(name: str) -> tuple:
