@@ -16,6 +16,7 @@ other dense parameters: FSDP over dp_shard).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
 
@@ -103,14 +104,26 @@ def _logical(model: torch.nn.Module, name: str, value: torch.Tensor) -> torch.Te
     return ep_lib.to_logical_order(value, order) if order is not None and leaf in ep_lib.EXPERT_PARAM_NAMES else value
 
 
-def _fit(rank: int, world: int, kwargs: dict | None) -> dict:
+class _InitialWeights(L.Callback):
+    """The weights as training starts (after a meta-built model was initialised shard by shard), whole and in
+    logical expert order."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        model = pl_module.model
+        self.weights = {name: _logical(model, name, full_copy(param)) for name, param in model.named_parameters()}
+
+
+def _fit(rank: int, world: int, kwargs: dict | None, meta: bool = False) -> dict:
+    """``meta``: the module is built inside ``trainer.init_module(empty_init=True)`` (on the meta device; each rank
+    initialises its shards, experts in their stored order)."""
     L.seed_everything(SEED, verbose=False)
-    module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3)
-    initial = {name: param.detach().clone() for name, param in module.model.named_parameters()}
     dp_rank, dp_size = (0, 1) if kwargs is None else (rank, world)
     strategy = "auto" if kwargs is None else HybridParallelStrategy(**kwargs)
     batches = shard_batches(random_samples(GLOBAL_BATCH * STEPS, seed=7), GLOBAL_BATCH, dp_rank, dp_size)
-    recorder, traffic, grads = LossRecorder(), TrafficRecorder(), FirstGradients()
+    recorder, traffic, grads, initial_weights = LossRecorder(), TrafficRecorder(), FirstGradients(), _InitialWeights()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1 if kwargs is None else world,
@@ -124,9 +137,12 @@ def _fit(rank: int, world: int, kwargs: dict | None) -> dict:
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
-        callbacks=[recorder, grads] + ([traffic] if kwargs is not None else []),
+        callbacks=[recorder, grads, initial_weights] + ([traffic] if kwargs is not None else []),
         **precision_settings("64-true"),
     )
+    with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
+        module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3)
+    assert all(param.is_meta for param in module.model.parameters()) == meta
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     params, layout = {}, {}
     for name, param in module.model.named_parameters():
@@ -137,6 +153,7 @@ def _fit(rank: int, world: int, kwargs: dict | None) -> dict:
             str(param.placements) if isinstance(param, DTensor) else None,
             tuple(param.to_local().shape) if isinstance(param, DTensor) else tuple(param.shape),
         )
+    initial = initial_weights.weights
     updates = {name: params[name] - initial[name].to(params[name].dtype) for name in params}
     return {
         "losses": recorder.losses,
@@ -145,6 +162,7 @@ def _fit(rank: int, world: int, kwargs: dict | None) -> dict:
         "layout": layout,
         "traffic": traffic.per_step,
         "grads": grads.grads,
+        "initial": initial,
     }
 
 
@@ -203,6 +221,9 @@ def _checkpoint_round_trip(rank: int, world: int, directory: str) -> dict:
 
 def _run_configs(rank: int, world: int, names: list[str], directory: str | None = None) -> dict:
     results = {name: _fit(rank, world, dict(CONFIGS[name][1])) for name in names}
+    for name in META_CONFIGS:
+        if name in names:
+            results[f"{name}/meta"] = _fit(rank, world, dict(CONFIGS[name][1]), meta=True)
     if directory is not None:
         results["checkpoint"] = _checkpoint_round_trip(rank, world, directory)
     # A model whose expert count (1 + 2) the ep degree does not divide is refused, naming expert_parallel.
@@ -228,12 +249,21 @@ def _parallel_results(world: int) -> dict:
 
 
 def _result(name: str) -> dict:
-    return _parallel_results(CONFIGS[name][0])[name]
+    return _parallel_results(CONFIGS[name.removesuffix("/meta")][0])[name]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+META_CONFIGS = ("ep2_uniform", "ep2xfsdp2_uniform")
+"""Also run with the module built on the meta device: experts stored round robin, each rank initialising its own."""
+
+
+@pytest.mark.parametrize("name", list(CONFIGS) + [f"{name}/meta" for name in META_CONFIGS])
 def test_expert_parallel_matches_one_process(name):
+    """A mesh run equals one process; ``NAME/meta``: also when the module was built on the meta device (the initial
+    weights, experts in logical order, equal the one-process build's exactly)."""
     reference, result = _reference(), _result(name)
+    if name.endswith("/meta"):
+        for param_name, expected in reference["initial"].items():
+            torch.testing.assert_close(result["initial"][param_name], expected, rtol=0, atol=0, msg=param_name)
     assert len(reference["losses"]) == STEPS and reference["losses"][0] != reference["losses"][-1]
     torch.testing.assert_close(
         torch.tensor(result["losses"], dtype=torch.float64),
