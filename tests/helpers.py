@@ -13,7 +13,7 @@ orders: ``LIGHTNING_MM_TEST_THREADS=1 pytest ...`` and ``LIGHTNING_MM_TEST_THREA
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import lightning as L
 import torch
@@ -98,6 +98,23 @@ class LossRecorder(L.Callback):
 def full_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A detached copy of the whole tensor (a sharded DTensor gathered first), to compare across ranks and runs."""
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+class InitialWeights(L.Callback):
+    """The module's ``model`` weights as training starts (a model built on the meta device: after its shard-by-shard
+    initialisation), gathered whole; ``arrange(model, name, value)`` maps each value (e.g. experts stored permuted
+    back to their logical order)."""
+
+    def __init__(self, arrange: Callable[[torch.nn.Module, str, torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.arrange = arrange
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        model = pl_module.model
+        self.weights = {
+            name: self.arrange(model, name, full_copy(param)) if self.arrange else full_copy(param)
+            for name, param in model.named_parameters()
+        }
 
 
 def precision_settings(precision: str) -> dict:

@@ -32,6 +32,7 @@ from lightning_mm.models.vlm import VisionLanguageModel, build_config
 from lightning_mm.parallel import experts as ep_lib
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import (
+    InitialWeights,
     LossRecorder,
     full_copy,
     precision_settings,
@@ -104,18 +105,6 @@ def _logical(model: torch.nn.Module, name: str, value: torch.Tensor) -> torch.Te
     return ep_lib.to_logical_order(value, order) if order is not None and leaf in ep_lib.EXPERT_PARAM_NAMES else value
 
 
-class _InitialWeights(L.Callback):
-    """The weights as training starts (after a meta-built model was initialised shard by shard), whole and in
-    logical expert order."""
-
-    def __init__(self) -> None:
-        self.weights: dict[str, torch.Tensor] = {}
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        model = pl_module.model
-        self.weights = {name: _logical(model, name, full_copy(param)) for name, param in model.named_parameters()}
-
-
 def _fit(rank: int, world: int, kwargs: dict | None, meta: bool = False) -> dict:
     """``meta``: the module is built inside ``trainer.init_module(empty_init=True)`` (on the meta device; each rank
     initialises its shards, experts in their stored order)."""
@@ -123,7 +112,12 @@ def _fit(rank: int, world: int, kwargs: dict | None, meta: bool = False) -> dict
     dp_rank, dp_size = (0, 1) if kwargs is None else (rank, world)
     strategy = "auto" if kwargs is None else HybridParallelStrategy(**kwargs)
     batches = shard_batches(random_samples(GLOBAL_BATCH * STEPS, seed=7), GLOBAL_BATCH, dp_rank, dp_size)
-    recorder, traffic, grads, initial_weights = LossRecorder(), TrafficRecorder(), FirstGradients(), _InitialWeights()
+    recorder, traffic, grads, initial_weights = (
+        LossRecorder(),
+        TrafficRecorder(),
+        FirstGradients(),
+        InitialWeights(_logical),
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1 if kwargs is None else world,

@@ -37,6 +37,7 @@ from lightning_mm.models import VLMModule
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import (
+    InitialWeights,
     LossRecorder,
     assert_float32_noise,
     full_copy,
@@ -83,16 +84,6 @@ def _trainer(world: int, strategy, callbacks, precision: str = "64-true") -> L.T
     return quiet_trainer(world, strategy, STEPS, callbacks, precision=precision, gradient_clip_val=CLIP)
 
 
-class _InitialWeights(L.Callback):
-    """The weights as training starts (after a meta-built model was initialised shard by shard), gathered."""
-
-    def __init__(self) -> None:
-        self.weights: dict[str, torch.Tensor] = {}
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self.weights = {name: full_copy(param) for name, param in pl_module.model.named_parameters()}
-
-
 def _fit_reference_vlm(
     rank: int, world: int, kwargs: dict | None, precision: str = "64-true", meta: bool = False
 ) -> dict:
@@ -106,7 +97,7 @@ def _fit_reference_vlm(
         dims = ParallelDims.from_args(world, **{k: v for k, v in kwargs.items() if k.startswith(("data", "tensor"))})
         strategy, dp_rank, dp_size = HybridParallelStrategy(**kwargs), dims.data_parallel_rank(rank), dims.dp
     batches = shard_batches(random_samples(GLOBAL_BATCH * STEPS, seed=7), GLOBAL_BATCH, dp_rank, dp_size)
-    recorder, initial = LossRecorder(), _InitialWeights()
+    recorder, initial = LossRecorder(), InitialWeights()
     trainer = _trainer(world if kwargs is not None else 1, strategy, [recorder, initial], precision)
     with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
         module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3)

@@ -26,12 +26,12 @@ def _module(model_type: str) -> HFCausalLMModule:
 
 
 def _loss_and_logits(module: HFCausalLMModule, batch, positions: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss (summed cross entropy / target tokens) and the logits ``(N, V)`` of the rows' real tokens in order."""
+    """The loss (summed cross entropy / target tokens) and the logits ``(N, V)`` of the rows' real tokens in order,
+    the module called as its training step calls it (``positions=False``: with the mask alone, one long sequence per
+    row, the pre-packing call)."""
     data = as_causal_lm_batch(batch)
-    if positions:
-        logits = module(data["input_ids"], position_ids=data["position_ids"])
-    else:  # one long sequence per row: the pre-packing call
-        logits = module(data["input_ids"], attention_mask=data["attention_mask"])
+    position_ids = data["position_ids"] if positions else None
+    logits = module(data["input_ids"], data["attention_mask"], data.get("pixel_values"), position_ids=position_ids)
     loss = causal_lm_loss_sum(logits, data["targets"]) / (data["targets"] != IGNORE_INDEX).sum()
     return loss, logits[data["attention_mask"].bool()]
 
@@ -121,19 +121,12 @@ def test_a_packed_llava_row_keeps_each_sample_with_its_own_image():
         "labels": torch.cat(labels)[None],
         "pixel_values": pixels,
     }
-    results = []
-    for batch in (packed, padded):
-        data = as_causal_lm_batch(batch)
-        logits = module(data["input_ids"], pixel_values=data["pixel_values"], position_ids=data["position_ids"])
-        loss = causal_lm_loss_sum(logits, data["targets"]) / (data["targets"] != IGNORE_INDEX).sum()
-        results.append((loss, logits[data["attention_mask"].bool()]))
-    (loss, logits), (expected_loss, expected_logits) = results
+    (loss, logits), (expected_loss, expected_logits) = (_loss_and_logits(module, b) for b in (packed, padded))
     torch.testing.assert_close(logits, expected_logits, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=0)
     # The images are really each sample's own: another order of the images changes the text logits.
-    shuffled = as_causal_lm_batch({**packed, "pixel_values": pixels[[1, 2, 0]]})
-    other = module(shuffled["input_ids"], pixel_values=shuffled["pixel_values"], position_ids=shuffled["position_ids"])
-    assert (other[0] - logits).abs().max() > 1e-3
+    _, other = _loss_and_logits(module, {**packed, "pixel_values": pixels[[1, 2, 0]]})
+    assert (other - logits).abs().max() > 1e-3
 
 
 def test_rows_of_one_sample_keep_their_attention_mask():
