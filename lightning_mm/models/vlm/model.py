@@ -31,6 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mm.batch import MultimodalBatch
+from lightning_mm.models.attention import (
+    ATTENTION_IMPLEMENTATIONS,
+    SegmentLayout,
+    segment_mask,
+    segment_positions_from_ids,
+)
 from lightning_mm.parallel.collectives import at_least_float32
 from lightning_mm.parallel.materialize import fill_from_full
 
@@ -46,6 +52,8 @@ __all__ = [
     "segment_last",
     "segment_max",
     "segment_self_mask",
+    "segment_layouts",
+    "SegmentLayouts",
     "VLMConfig",
     "PRESETS",
     "build_config",
@@ -83,6 +91,10 @@ class VLMConfig:
     """Width of the shared image-text embedding space of the contrastive loss."""
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    attention: str = "auto"
+    """How attention stays inside each sample of a packed row (:mod:`lightning_mm.models.attention`): ``"auto"``
+    (FlashAttention varlen on CUDA in half precision, per-segment SDPA where it saves work, one masked SDPA
+    otherwise), ``"dense"``, ``"segments"``, ``"varlen"`` or ``"flex"``. Every choice computes the same values."""
 
     def validate(self) -> None:
         for name in (
@@ -114,6 +126,8 @@ class VLMConfig:
                 )
         if (self.text_width // self.text_heads) % 2:
             raise ValueError("VLMConfig: text head dim (text_width / text_heads) must be even for rotary embeddings")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"VLMConfig.attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
 
 
 PRESETS: dict[str, VLMConfig] = {
@@ -176,12 +190,7 @@ def segment_self_mask(segment: torch.Tensor, causal: bool) -> torch.Tensor:
     Padding queries attend to themselves only, so no softmax row is empty (an all-masked row gives NaN
     in both forward and backward even when its output is later ignored).
     """
-    same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, None, :] >= 0)
-    if causal:
-        length = segment.shape[1]
-        same = same & torch.ones(length, length, dtype=torch.bool, device=segment.device).tril()
-    eye = torch.eye(segment.shape[1], dtype=torch.bool, device=segment.device)
-    return same | eye
+    return SegmentLayout(segment, segment, causal, "dense").mask
 
 
 def cross_mask(token_segment: torch.Tensor, patch_segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,10 +201,31 @@ def cross_mask(token_segment: torch.Tensor, patch_segment: torch.Tensor) -> tupl
         has_key: ``(R, T)`` bool, False for tokens whose sample has no image (or padding); the cross-attention
             output of those tokens must be multiplied by it, which zeroes both value and gradient.
     """
-    allowed = (token_segment[:, :, None] == patch_segment[:, None, :]) & (patch_segment[:, None, :] >= 0)
-    allowed = allowed & (token_segment[:, :, None] >= 0)
+    allowed = segment_mask(token_segment, patch_segment, causal=False)
     has_key = allowed.any(dim=-1)
     return allowed | ~has_key[:, :, None], has_key
+
+
+@dataclass(frozen=True)
+class SegmentLayouts:
+    """The three attention layouts of one forward (built once, shared by every layer and TP rank)."""
+
+    vision: SegmentLayout
+    """patches to patches of the same image"""
+    text: SegmentLayout
+    """tokens to earlier tokens of the same caption"""
+    media: SegmentLayout
+    """tokens to the patches of their own image"""
+
+
+def segment_layouts(
+    patch_segment: torch.Tensor, token_segment: torch.Tensor, slots: int, implementation: str
+) -> SegmentLayouts:
+    """Layouts for ``patch_segment (R, Np)`` and ``token_segment (R, T)`` holding ids ``< slots``."""
+    vision = SegmentLayout(patch_segment, patch_segment, False, implementation, slots)
+    text = SegmentLayout(token_segment, token_segment, True, implementation, slots)
+    media = SegmentLayout(text.query_segment, vision.key_segment, False, implementation, slots)
+    return SegmentLayouts(vision=vision, text=text, media=media)
 
 
 def positions_in_segment(causal_mask: torch.Tensor) -> torch.Tensor:
@@ -241,11 +271,12 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | SegmentLayout,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         context: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x (R, Lq, D)``, ``mask (R, Lq, Lk)`` bool, ``context (R, Lk, Dc)`` -> ``(R, Lq, D)``.
+        """``x (R, Lq, D)``, ``mask`` a :class:`SegmentLayout` (or an ``(R, Lq, Lk)`` bool mask for one dense
+        call), ``context (R, Lk, Dc)`` -> ``(R, Lq, D)``.
 
         ``context=None`` is self-attention (keys / values from ``x``). Self-attention passes ``x`` once rather
         than twice so that a sequence-parallel plan gathers the sequence once for q, k and v (one all-gather in
@@ -260,7 +291,10 @@ class Attention(nn.Module):
         v = self.v_proj(context).view(rows, len_k, -1, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = _applyrotary_tables(q, *rotary), _applyrotary_tables(k, *rotary)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        if isinstance(mask, SegmentLayout):
+            out = mask.attend(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.o_proj(out.transpose(1, 2).reshape(rows, len_q, -1))
 
 
@@ -284,7 +318,7 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(dim, eps=eps)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | SegmentLayout, rotary=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), mask, rotary)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -397,9 +431,9 @@ class FusionBlock(nn.Module):
         self,
         text: torch.Tensor,
         media: torch.Tensor,
-        text_mask: torch.Tensor,
+        text_mask: torch.Tensor | SegmentLayout,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        media_mask: torch.Tensor,
+        media_mask: torch.Tensor | SegmentLayout,
         media_has_key: torch.Tensor,
         text_valid: torch.Tensor,
         media_valid: torch.Tensor,
@@ -429,8 +463,11 @@ class VisionEncoder(nn.Module):
         )
         self.norm = nn.LayerNorm(width, eps=config.norm_eps)
 
-    def forward(self, patches: torch.Tensor, patch_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``patches (R, Np, 3PP)``, ``patch_pos (R, Np, 2)``, ``mask (R, Np, Np)`` -> ``(R, Np, Dv)``."""
+    def forward(
+        self, patches: torch.Tensor, patch_pos: torch.Tensor, mask: torch.Tensor | SegmentLayout
+    ) -> torch.Tensor:
+        """``patches (R, Np, 3PP)``, ``patch_pos (R, Np, 2)``, ``mask`` (layout, or ``(R, Np, Np)`` bool)
+        -> ``(R, Np, Dv)``."""
         x = self.patch_embed(patches) + self.row_embed(patch_pos[..., 0]) + self.col_embed(patch_pos[..., 1])
         for block in self.blocks:
             x = block(x, mask)
@@ -573,9 +610,9 @@ class VisionLanguageModel(nn.Module):
             )
         slots = batch.segment_slots
 
+        layouts = segment_layouts(batch.patch_segment, batch.token_segment, slots, config.attention)
         # Vision: attention only inside each image.
-        vision_mask = segment_self_mask(batch.patch_segment, causal=False)
-        image_features = self.vision(batch.patches, batch.patch_pos, vision_mask)  # (R, Np, Dv)
+        image_features = self.vision(batch.patches, batch.patch_pos, layouts.vision)  # (R, Np, Dv)
         # Max over the image's patches, not the mean: the few patches holding the objects a caption
         # names would drown in the background. Measured on the synthetic data (small preset, 150 steps):
         # a linear colour probe on max-pooled ViT features reaches ~55-65 % accuracy, on mean-pooled
@@ -584,25 +621,23 @@ class VisionLanguageModel(nn.Module):
         media = self.projector(image_features)  # (R, Np, Dt)
 
         # Text: causal inside each caption, rotary positions restart at every caption.
-        text_mask = segment_self_mask(batch.token_segment, causal=True)
         text = self.embed_tokens(batch.tokens)  # (R, T, Dt)
         rotary = rotary_tables(
-            positions_in_segment(text_mask & (batch.token_segment[:, None, :] >= 0)),
+            segment_positions_from_ids(batch.token_segment, slots),
             config.text_width // config.text_heads,
             config.rope_theta,
             dtype=torch.promote_types(text.dtype, torch.float32),
         )
         for layer in self.unimodal_layers:
-            text = layer(text, text_mask, rotary)
+            text = layer(text, layouts.text, rotary)
         # The last token of a causal stack is the only one that has read the whole caption (CLIP's EOT).
         text_embeds = self.text_proj(segment_last(self.text_pool_norm(text), batch.token_segment, slots))
 
-        media_mask, media_has_key = cross_mask(batch.token_segment, batch.patch_segment)
         text_valid, media_valid = batch.token_segment >= 0, batch.patch_segment >= 0
         router_stats: list[RouterStats] = []
         for layer in self.fusion_layers:
             text, media, stats = layer(
-                text, media, text_mask, rotary, media_mask, media_has_key, text_valid, media_valid
+                text, media, layouts.text, rotary, layouts.media, layouts.media.has_key, text_valid, media_valid
             )
             router_stats.extend(stats)
 

@@ -61,16 +61,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mm.batch import IGNORE_INDEX, PAD_SEGMENT, MultimodalBatch
+from lightning_mm.models.attention import segment_positions_from_ids
 from lightning_mm.models.vlm.losses import caption_loss_sum, contrastive_loss_sum, load_balancing_terms
 from lightning_mm.models.vlm.model import (
     RouterStats,
     VLMConfig,
-    cross_mask,
-    positions_in_segment,
     rotary_tables,
     segment_last,
+    segment_layouts,
     segment_max,
-    segment_self_mask,
 )
 from lightning_mm.parallel.collectives import all_reduce_sum, at_least_float32, group_size
 from lightning_mm.parallel.pipeline import PipelineSplit
@@ -217,7 +216,8 @@ class VLMStage(nn.Module):
         if self.is_first:
             patches, patch_pos, patch_segment, tokens, token_segment, pairs, rows = args
             slots = pairs.shape[1]
-            features = self.vision(patches, patch_pos, segment_self_mask(patch_segment, causal=False))
+            layouts = segment_layouts(patch_segment, token_segment, slots, config.attention)
+            features = self.vision(patches, patch_pos, layouts.vision)
             image_embeds = self.image_proj(segment_max(features, patch_segment, slots))  # (r, S, E)
             media = self.projector(features)  # (r, Np, Dt)
             text = self.embed_tokens(tokens)  # (r, T, Dt)
@@ -228,24 +228,23 @@ class VLMStage(nn.Module):
             args = tuple(_ContiguousGrad.apply(a) if a.is_floating_point() else a for a in args)
             text, media, image_embeds, text_embeds, patch_segment, token_segment, pairs, counts, probs, rows = args
             slots = pairs.shape[1]
-        text_mask = segment_self_mask(token_segment, causal=True)
+            layouts = segment_layouts(patch_segment, token_segment, slots, config.attention)
         rotary = rotary_tables(
-            positions_in_segment(text_mask & (token_segment[:, None, :] >= 0)),
+            segment_positions_from_ids(token_segment, slots),
             config.text_width // config.text_heads,
             config.rope_theta,
             dtype=torch.promote_types(text.dtype, torch.float32),
         )
         for i in self.unimodal_ids:
-            text = self.unimodal_layers[i](text, text_mask, rotary)
+            text = self.unimodal_layers[i](text, layouts.text, rotary)
         if self.owns_text_embed:
             text_embeds = self.text_proj(segment_last(self.text_pool_norm(text), token_segment, slots))
         if self.fusion_ids:
-            media_mask, media_has_key = cross_mask(token_segment, patch_segment)
             text_valid, media_valid = token_segment >= 0, patch_segment >= 0
             width = sum(self.group_sizes)
             for i in self.fusion_ids:
                 text, media, stats = self.fusion_layers[i](
-                    text, media, text_mask, rotary, media_mask, media_has_key, text_valid, media_valid
+                    text, media, layouts.text, rotary, layouts.media, layouts.media.has_key, text_valid, media_valid
                 )
                 offset = int(i) * width
                 for part, stat in zip((0, self.group_sizes[0]), stats, strict=True):
