@@ -16,7 +16,9 @@ hits all alike; the median step of each mode is reported):
 Real tokens = non-padding caption tokens + image patches (VLM) or caption tokens (Llama) per second of
 forward + backward + AdamW step, the batches loaded beforehand so data time is not counted.
 
-Writes ``benchmarks/results/packing_throughput.json`` and a bar plot, and prints a table.
+First, attention alone over row shapes around ``auto``'s threshold (dense against per-segment).
+
+Writes ``benchmarks/results/packing_throughput.json`` and a bar plot, and prints tables.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,6 +36,7 @@ import torch
 from lightning_mm.datamodules.regroup import batch_padding
 from lightning_mm.datamodules.web import ImageTextWebDataModule
 from lightning_mm.models import VisionLanguageModel, build_config, compute_losses
+from lightning_mm.models.attention import SegmentLayout
 
 
 def _datamodule(regroup: str, patches: int, tokens: int, rows: int, args) -> ImageTextWebDataModule:
@@ -70,6 +74,9 @@ class _VLMStep:
         counts = batch_padding(batch)
         return counts["real_patches"] + counts["real_tokens"]
 
+    def slots(self, batch) -> int:
+        return batch.patch_segment.numel() + batch.token_segment.numel()
+
     def __call__(self, batch) -> None:
         loss = compute_losses(self.model(batch), batch).total
         self.optimizer.zero_grad(set_to_none=True)
@@ -83,6 +90,8 @@ class _LlamaStep:
     def __init__(self, vocab_size: int) -> None:
         from lightning_mm.models.hf import HFCausalLMModule
 
+        # training_step logs through self.log; without a Trainer Lightning warns once per call.
+        warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered.*")
         torch.manual_seed(0)
         config = {
             "model_type": "llama",
@@ -99,6 +108,9 @@ class _LlamaStep:
 
     def real_tokens(self, batch) -> int:
         return int((batch.token_segment >= 0).sum())
+
+    def slots(self, batch) -> int:  # a text-only model: patches are not its input
+        return batch.token_segment.numel()
 
     def __call__(self, batch) -> None:
         loss = self.module.training_step(batch, 0)
@@ -120,9 +132,7 @@ def _measure(modes: dict, rounds: int, steps: int) -> dict:
                 elapsed = time.perf_counter() - start
                 if round_index or index:  # the first step of each mode warms allocators up
                     rates[name].append(step.real_tokens(batch) / elapsed)
-                counts = batch_padding(batch)
-                real = counts["real_patches"] + counts["real_tokens"]
-                padding[name].append(1 - real / (real + counts["padded_patches"] + counts["padded_tokens"]))
+                padding[name].append(1 - step.real_tokens(batch) / step.slots(batch))
     base = statistics.median(rates[next(iter(modes))])
     return {
         name: {
@@ -133,6 +143,43 @@ def _measure(modes: dict, rounds: int, steps: int) -> dict:
         }
         for name in modes
     }
+
+
+def _attention_sweep(rounds: int) -> dict:
+    """Attention alone (forward + backward of one layer's q, k, v; layout built once, as a forward shares it):
+    dense masked against per-segment, over row shapes around ``auto``'s threshold. Captions of 10-60 tokens packed
+    back to back, 2 heads of 32."""
+    gen = torch.Generator().manual_seed(0)
+    sweep = {}
+    for rows, length in ((32, 32), (16, 64), (8, 128), (4, 256), (4, 512), (4, 1024), (4, 2048)):
+        segment = torch.full((rows, length), -1)
+        for row in range(rows):
+            start, slot = 0, 0
+            while True:
+                size = int(torch.randint(10, 60, (1,), generator=gen))
+                if start + size > length:
+                    break
+                segment[row, start : start + size] = slot
+                start, slot = start + size, slot + 1
+        q, k, v = (torch.randn(rows, 2, length, 32, requires_grad=True) for _ in range(3))
+        times = {}
+        for implementation in ("dense", "segments", "auto"):
+            layout = SegmentLayout(segment, segment, True, implementation)
+            samples = []
+            for _ in range(2 * rounds + 1):
+                start = time.perf_counter()
+                layout.attend(q, k, v).sum().backward()
+                samples.append(time.perf_counter() - start)
+            times[implementation] = statistics.median(samples)
+        sweep[f"{rows}x{length}"] = {
+            "query_key_pairs": rows * length * length,
+            "dense_ms": 1e3 * times["dense"],
+            "segments_ms": 1e3 * times["segments"],
+            "segments_vs_dense": times["dense"] / times["segments"],
+            "auto_choice": SegmentLayout(segment, segment, True, "auto").choose(q),
+            "auto_vs_dense": times["dense"] / times["auto"],
+        }
+    return sweep
 
 
 def main() -> None:
@@ -149,6 +196,13 @@ def main() -> None:
     args = parser.parse_args()
     batches_needed = args.rounds * args.steps
 
+    attention = _attention_sweep(args.rounds)
+    print(f"{'rows x length':>14} {'pairs':>10} {'dense ms':>9} {'segments ms':>12} {'seg vs dense':>13} {'auto':>9}")
+    for shape, r in attention.items():
+        print(
+            f"{shape:>14} {r['query_key_pairs']:10d} {r['dense_ms']:9.2f} {r['segments_ms']:12.2f} "
+            f"{r['segments_vs_dense']:13.2f} {r['auto_choice']:>9}"
+        )
     results = {}
     # --- reference VLM, default data, one budget
     data = {mode: _datamodule(mode, 768, 768, 8, args) for mode in ("none", "bucket", "pack")}
@@ -184,7 +238,7 @@ def main() -> None:
             "pack_auto": (vlm("auto"), long_batches),
         },
         args.rounds,
-        max(1, args.steps // 2),
+        max(2, args.steps // 2),
     )
     results["vlm_long_rows"]["tokens_per_row"] = float(long_batches[0].tokens.shape[1])
     # --- HF Llama on the captions
@@ -211,7 +265,8 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    output.write_text(json.dumps({"machine": machine, "args": vars(args), "results": results}, indent=2))
+    payload = {"machine": machine, "args": vars(args), "results": results, "attention_only": attention}
+    output.write_text(json.dumps(payload, indent=2))
     print(f"wrote {output}")
     _plot(results, output.with_suffix(".png"))
 

@@ -392,7 +392,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         initialize = plan.initialize if plan is not None else None
         how = initialize.__qualname__ if initialize is not None else "reset_parameters()"
         rank_zero_info(f"{type(module).__name__} was built on the meta device: its shards are filled by {how}")
-        with ties_kept(module):
+        # Pipeline stages may register a model's parameter directly (the VLM's last stage holds logit_scale); they
+        # are not under `module`, so their references are tied back to the materialised parameters too.
+        stages = self._pipeline.stage_modules if self._pipeline is not None else []
+        with ties_kept(nn.ModuleList([module, *stages])):
             if initialize is None:
                 return materialize_distributed_module(module, self.root_device)
             empty_where_meta(module, self.root_device)

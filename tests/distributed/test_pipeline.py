@@ -24,6 +24,7 @@ nothing, which the "every parameter moved" check below detects.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import fields
 
@@ -36,6 +37,7 @@ from lightning_mm.models import VLMModule
 from lightning_mm.models.vlm.pipeline import pad_batch
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import (
+    InitialWeights,
     LossRecorder,
     assert_float32_noise,
     full_copy,
@@ -60,6 +62,8 @@ CONFIGS: dict[str, tuple[int, dict, int, int, float | None]] = {
     "1f1b_tp2_clip": (4, {"pipeline_schedule": "1F1B", "tensor_parallel": 2}, 4, 1, CLIP),
 }
 FLOAT32_CONFIG = "gpipe_clip"
+META_CONFIGS = ("gpipe_clip",)
+"""Also run with the module built on the meta device (each stage initialises its own parameters after the split)."""
 FLOAT32_FACTOR, FLOAT32_PARAMS_FACTOR, FLOAT32_PARAM_FACTOR = 10.0, 30.0, 100.0
 """float32 run: its distance from the float64 result is at most this many times the float32 one-process run's
 distance from it: over the losses of all steps; over all parameters together; each parameter alone (as in
@@ -130,25 +134,34 @@ def _result(module: VLMModule, recorder: LossRecorder, initial: dict[str, torch.
     }
 
 
-def _fit(rank: int, world: int, name: str, precision: str = "64-true", broken: bool = False) -> dict:
+def _fit(
+    rank: int, world: int, name: str, precision: str = "64-true", broken: bool = False, meta: bool = False
+) -> dict:
+    """``meta``: the module is built inside ``trainer.init_module(empty_init=True)``; each stage then initialises its
+    own parameters after the split, and the initial weights are taken as training starts."""
     _, kwargs, microbatches, accumulate, clip = CONFIGS[name]
-    module = _module()
-    initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     cls = _NoBackwardStrategy if broken else HybridParallelStrategy
     strategy = cls(pipeline_parallel=2, microbatches=microbatches, **kwargs)
-    recorder = LossRecorder()
+    recorder, started = LossRecorder(), InitialWeights()
     dp = _dp(name)
     tp = kwargs.get("tensor_parallel", 1)
     batches = _batches((rank // tp) % dp, dp, accumulate)  # mesh (pp, dp, tp): rank = (pp * dp + dp_index) * tp + t
-    trainer = _trainer(world, strategy, accumulate, clip, [recorder], precision)
+    trainer = _trainer(world, strategy, accumulate, clip, [recorder, started], precision)
+    with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
+        module = _module()
+    assert all(p.is_meta for p in module.parameters()) == meta
+    initial = None if meta else {n: p.detach().clone() for n, p in module.model.named_parameters()}
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    return _result(module, recorder, initial)
+    return _result(module, recorder, started.weights if meta else initial)
 
 
 def _run_world(rank: int, world: int, names: list[str]) -> dict:
     results = {name: _fit(rank, world, name) for name in names}
     if FLOAT32_CONFIG in names:
         results[f"{FLOAT32_CONFIG}/float32"] = _fit(rank, world, FLOAT32_CONFIG, "32-true")
+    for name in META_CONFIGS:
+        if name in names:
+            results[f"{name}/meta"] = _fit(rank, world, name, meta=True)
     if world == 2:
         results["broken"] = _fit(rank, world, "gpipe_clip", broken=True)
     return results
@@ -188,13 +201,19 @@ def _losses(run: dict) -> torch.Tensor:
 # Time: the first configuration of each world size pays for its cached launch: 1f1b_fsdp2_clip_accumulate2 for the
 # 4-rank one (2 float64 pipeline fits on 4 ranks sharing 2 cores: 10 batches of 2 microbatches, 5 of 4 under tp2) and
 # its one-process reference (10 batches, in this process); gpipe_clip for the 2-rank one (5 fits). Later ones ~0 s.
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CONFIGS) + [f"{name}/meta" for name in META_CONFIGS])
 def test_pipeline_matches_one_process(name):
-    world = CONFIGS[name][0]
+    config = name.removesuffix("/meta")
+    world = CONFIGS[config][0]
     results = [per_rank[name] for per_rank in _parallel(world)]
-    reference = _reference(name)
-    assert len(reference["losses"]) == STEPS * CONFIGS[name][3]
+    reference = _reference(config)
+    assert len(reference["losses"]) == STEPS * CONFIGS[config][3]
     assert reference["losses"][0] != reference["losses"][-1]
+    if name.endswith("/meta"):  # each stage's own initialisation gives the one-process draws exactly
+        started = _merged_params(results, "initial")
+        assert set(started) == set(reference["initial"])
+        for param_name, expected in reference["initial"].items():
+            torch.testing.assert_close(started[param_name], expected, rtol=0, atol=0, msg=param_name)
     for result in results:  # every rank logs the last stage's float64 losses
         torch.testing.assert_close(_losses(result), _losses(reference), rtol=LOSS_RTOL, atol=0)
     params, initial = _merged_params(results, "params"), _merged_params(results, "initial")
