@@ -104,12 +104,29 @@ def packed_batches(dp_rank: int, dp: int) -> list[MultimodalBatch]:
     return [batches[step % 2] for step in range(STEPS)]
 
 
+def packed_image_batches(dp_rank: int, dp: int) -> list[MultimodalBatch]:
+    """As :func:`packed_batches` for a LLaVA-style model: each sample's image (1-8 patches of 4 px on a 4 x 4 grid,
+    every fifth sample without one) goes back on the vision tower's 16 px canvas, its image tokens before its caption
+    (:func:`lightning_mm.models.hf.llava_inputs`)."""
+    samples = random_samples(2 * 3 * GLOBAL_BATCH, patch_size=4, vocab_size=IMAGE_TOKEN, patches=(1, 9), grid=4, seed=6)
+    rows = [samples[3 * row : 3 * row + 3] for row in range(2 * GLOBAL_BATCH)]
+    per = GLOBAL_BATCH // dp
+    batches = [
+        collate_packed(rows[index * GLOBAL_BATCH :][:GLOBAL_BATCH], 24, 40, pad_id=0).select_rows(
+            slice(dp_rank * per, (dp_rank + 1) * per)
+        )
+        for index in range(2)
+    ]
+    return [batches[step % 2] for step in range(STEPS)]
+
+
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 MODELS = {
     "llama": (LLAMA, llama_batches, {}),
     "llama_lora": (LLAMA, llama_batches, {"lora": LORA}),  # the adapters follow their layers onto the stages
     "llava": (LLAVA, image_text_batches, {}),
     "llama_packed": (LLAMA, packed_batches, {}),  # several samples per row, attention kept inside each
+    "llava_packed": (LLAVA, packed_image_batches, {}),  # the DataModule's batches: patches, packed rows
 }
 
 
@@ -174,7 +191,8 @@ def _losses(run: dict) -> torch.Tensor:
     "model, mesh",
     [("llama", mesh) for mesh in MESHES]
     + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
-    + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")],
+    + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")]
+    + [("llava_packed", mesh) for mesh in ("fsdp2", "tp2")],
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are

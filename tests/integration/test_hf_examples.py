@@ -1,7 +1,8 @@
 """The Hugging Face examples run end to end, as a user runs them (real processes, W&B offline).
 
 ``lightning-mm fit --config examples/hf/hf_llama.yaml`` (the installed console script) on one process and on 2
-pipeline stages logs finite training (and validation) losses to W&B and writes a complete sharded checkpoint;
+pipeline stages, and ``examples/hf/hf_llava.yaml`` (a LLaVA-style model on packed image-caption rows) as shipped, log
+finite training (and validation) losses to W&B and write a complete sharded checkpoint;
 ``examples/hf/train_llama.py`` under tensor parallel on 2 processes trains and exports a directory that
 ``AutoModelForCausalLM.from_pretrained`` loads.
 """
@@ -39,37 +40,40 @@ def _run(tmp_path: Path, *command: str) -> subprocess.CompletedProcess:
     return result
 
 
-def _fit_hf_llama(tmp_path: Path, *overrides: str) -> tuple[list[float], list[float]]:
-    """``lightning-mm fit --config examples/hf/hf_llama.yaml`` in ``tmp_path`` (the YAML's paths are relative):
+def _fit_hf_example(tmp_path: Path, example: str, *overrides: str) -> tuple[list[float], list[float]]:
+    """``lightning-mm fit --config examples/hf/EXAMPLE.yaml`` in ``tmp_path`` (the YAML's paths are relative):
     the W&B train and val losses, each finite and near the log(vocab) of an untrained model, not zero or diverged."""
     console_script = Path(sys.executable).with_name("lightning-mm")  # what `pip install` put next to python
-    _run(tmp_path, str(console_script), "fit", "--config", str(REPO / "examples/hf/hf_llama.yaml"), *overrides)
-    (run,) = find_offline_runs(tmp_path / "runs/hf_llama")
+    _run(tmp_path, str(console_script), "fit", "--config", str(REPO / f"examples/hf/{example}.yaml"), *overrides)
+    (run,) = find_offline_runs(tmp_path / f"runs/{example}")
     history = read_offline_history(run)
     train, val = metric_series(history, "train/loss"), metric_series(history, "val/loss")
     assert all(math.isfinite(loss) and 1.0 < loss < 10.0 for loss in train + val), (train, val)
-    assert (tmp_path / "runs/hf_llama/checkpoints/last.ckpt/COMPLETE").is_file()
+    assert (tmp_path / f"runs/{example}/checkpoints/last.ckpt/COMPLETE").is_file()
     return train, val
 
 
-# Time: the installed `lightning-mm` console script twice, side by side: on one process (2 steps) and on 2 pipeline
-# stages (2 fresh interpreters that also import transformers, started one after the other by Lightning's launcher,
-# 3 steps, 1 validation pass); each writes a DCP last.ckpt. A launch's start-ups are serial, so two share the cores
-# better than one after the other. The console script and the shipped YAML are what is tested: real commands.
+# Time: the installed `lightning-mm` console script three times, side by side: the Llama YAML on one process (2 steps)
+# and on 2 pipeline stages (2 fresh interpreters that also import transformers, started one after the other by
+# Lightning's launcher, 3 steps, 1 validation pass), the LLaVA YAML as shipped (packed rows, FSDP2 on 2 processes,
+# 3 steps, 1 validation pass); each writes a DCP last.ckpt. A launch's start-ups are serial, so several share the
+# cores better than one after the other. The console script and the shipped YAMLs are what is tested: real commands.
 @pytest.fixture(scope="module")
 def hf_llama_fits(tmp_path_factory) -> dict[str, tuple[Path, list[float], list[float]]]:
-    roots = {name: tmp_path_factory.mktemp(name) for name in ("one_process", "two_stages")}
-    overrides = {
-        "one_process": ("--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"),
+    runs = {
+        "one_process": ("hf_llama", "--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"),
         "two_stages": (
+            "hf_llama",
             f"--trainer.max_steps={STEPS}",
             f"--trainer.val_check_interval={STEPS}",
             "--trainer.devices=2",
             "--trainer.strategy.init_args.pipeline_parallel=2",
         ),
+        "llava_packed": ("hf_llava", f"--trainer.max_steps={STEPS}", f"--trainer.val_check_interval={STEPS}"),
     }
+    roots = {name: tmp_path_factory.mktemp(name) for name in runs}
     with ThreadPoolExecutor(len(roots)) as pool:
-        fits = {name: pool.submit(_fit_hf_llama, roots[name], *overrides[name]) for name in roots}
+        fits = {name: pool.submit(_fit_hf_example, roots[name], *runs[name]) for name in roots}
         return {name: (roots[name], *fit.result()) for name, fit in fits.items()}
 
 
@@ -82,6 +86,13 @@ def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_one_process(hf_llama_fits)
 def test_lightning_mm_fit_trains_the_hf_llama_yaml_on_two_pipeline_stages(hf_llama_fits):
     _, train, val = hf_llama_fits["two_stages"]
     assert len(train) == STEPS and len(val) == 1
+
+
+def test_lightning_mm_fit_trains_the_hf_llava_yaml_on_packed_rows(hf_llama_fits):
+    root, train, val = hf_llama_fits["llava_packed"]
+    assert len(train) == STEPS and len(val) == 1
+    config = (root / "runs/hf_llava/config.yaml").read_text()
+    assert "model_type: llava" in config and "regroup: pack" in config
 
 
 # Time: the example script as users run it: 2 fresh interpreters importing transformers (rank 1 started by Lightning's

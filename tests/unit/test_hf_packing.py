@@ -6,13 +6,15 @@ positions of one long sequence instead, the samples would attend to each other, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from lightning_mm.batch import IGNORE_INDEX
 from lightning_mm.datamodules.regroup import collate_packed
 from lightning_mm.datamodules.stages import collate_one_per_row
-from lightning_mm.models.hf import HFCausalLMModule, as_causal_lm_batch
+from lightning_mm.models.hf import HFCausalLMModule, ImageTokens, as_causal_lm_batch
 from lightning_mm.models.hf.parallelize import causal_lm_loss_sum, is_packed, layout_kwargs, segment_positions
 from tests.helpers import random_samples
 from tests.hf_models import LLAMA, VOCAB
@@ -29,7 +31,7 @@ def _loss_and_logits(module: HFCausalLMModule, batch, positions: bool = True) ->
     """The loss (summed cross entropy / target tokens) and the logits ``(N, V)`` of the rows' real tokens in order,
     the module called as its training step calls it (``positions=False``: with the mask alone, one long sequence per
     row, the pre-packing call)."""
-    data = as_causal_lm_batch(batch)
+    data = as_causal_lm_batch(batch, ImageTokens.of(module.causal_lm))
     position_ids = data["position_ids"] if positions else None
     logits = module(data["input_ids"], data["attention_mask"], data.get("pixel_values"), position_ids=position_ids)
     loss = causal_lm_loss_sum(logits, data["targets"]) / (data["targets"] != IGNORE_INDEX).sum()
@@ -171,3 +173,99 @@ def test_a_flattened_batch_without_labels_predicts_nothing_across_samples():
     ids = torch.tensor([[11, 12, 13, 21, 22]])
     out = as_causal_lm_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1]])})
     assert out["targets"].tolist() == [[12, 13, IGNORE_INDEX, 22, IGNORE_INDEX]]
+
+
+def _llava_samples():
+    """Samples of 4 x 4 px patches on grids up to 4 x 4 (the tiny vision tower's 16 px canvas), one without image,
+    captions free of the image token."""
+    from tests.hf_models import IMAGE_TOKEN
+
+    return random_samples(7, patch_size=4, vocab_size=IMAGE_TOKEN, patches=(1, 9), grid=4, seed=5, missing_every=4)
+
+
+def test_llava_trains_on_the_datamodule_batches_packed_as_one_per_row():
+    """A DataModule batch (variable-resolution patches, packed or not) becomes LLaVA's inputs: each sample's image
+    tokens before its caption, its patches on one canvas; a packed row equals its samples one per row."""
+    import copy
+
+    from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAVA
+
+    torch.manual_seed(0)
+    module = HFCausalLMModule(config=copy.deepcopy(LLAVA)).double()
+    samples = _llava_samples()
+    rows = [samples[0:3], samples[3:5], samples[5:7]]
+    packed = collate_packed(rows, max_patches_per_row=24, max_tokens_per_row=48, pad_id=0)
+    one_per_row = collate_one_per_row(samples, pad_id=0)
+    packed, one_per_row = (b.to("cpu") for b in (packed, one_per_row))
+    data = as_causal_lm_batch(packed, ImageTokens.of(module.causal_lm))
+    with_image = sum(s.num_patches > 0 for s in samples)
+    assert with_image == 6 and data["pixel_values"].shape == (with_image, 3, 16, 16)
+    assert int((data["input_ids"] == IMAGE_TOKEN).sum()) == with_image * IMAGE_TOKENS
+    assert bool((data["targets"][data["input_ids"] == IMAGE_TOKEN] == IGNORE_INDEX).all())  # no loss on images
+    assert is_packed(data["attention_mask"], data["position_ids"])
+    (loss, logits), (expected_loss, expected_logits) = (
+        _loss_and_logits(module, b) for b in (_double(packed), _double(one_per_row))
+    )
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=0)
+    # Each sample reads its own image: the same captions with the images moved to other samples train otherwise.
+    shuffled = collate_packed(
+        [
+            [
+                dataclasses.replace(a, patches=b.patches, patch_pos=b.patch_pos)
+                for a, b in zip(r, r[1:] + r[:1], strict=True)
+            ]
+            for r in rows
+        ],
+        max_patches_per_row=24,
+        max_tokens_per_row=48,
+        pad_id=0,
+    )
+    other, _ = _loss_and_logits(module, _double(shuffled))
+    assert (other - loss).abs() > 1e-6
+
+
+def _double(batch):
+    return dataclasses.replace(batch, patches=batch.patches.double())
+
+
+def test_llava_image_token_is_kept_out_of_the_tokenizer_vocabulary():
+    import copy
+
+    from tests.hf_models import LLAVA
+
+    config = copy.deepcopy(LLAVA)
+    del config["image_token_id"]
+    module = HFCausalLMModule(config=config, vocab_size=50)
+    images = ImageTokens.of(module.causal_lm)
+    assert images.token_id == 50 and module.causal_lm.config.get_text_config().vocab_size == 64  # 51 padded
+    batch = collate_one_per_row(random_samples(2, patch_size=4, vocab_size=51, patches=(1, 4), grid=4), pad_id=0)
+    batch.tokens[0, 1] = 50  # a caption holding the image token id is refused, naming it
+    with pytest.raises(ValueError, match="a caption holds token id 50"):
+        as_causal_lm_batch(batch, images)
+
+
+def test_an_image_larger_than_the_vision_canvas_is_refused_naming_the_sizes():
+    images = ImageTokens(token_id=95, count=16, size=16)
+    batch = collate_one_per_row(
+        random_samples(1, patch_size=4, vocab_size=90, patches=(2, 3), grid=6, seed=1), pad_id=0
+    )
+    batch.patch_pos[0, 0] = torch.tensor([5, 0])
+    with pytest.raises(ValueError, match="6 x .* patches of 4 px does not fit the vision tower's image_size 16"):
+        as_causal_lm_batch(batch, images)
+
+
+def test_pipelined_llava_needs_one_image_per_row():
+    import copy
+
+    from lightning_mm.models.hf.parallelize import _fixed_length_padder
+    from tests.hf_models import LLAVA
+
+    module = HFCausalLMModule(config=copy.deepcopy(LLAVA))
+    samples = _llava_samples()
+    prepare = _fixed_length_padder(None, module.causal_lm)
+    with_images = [s for s in samples if s.num_patches][:4]
+    assert prepare(collate_one_per_row(with_images, pad_id=0))["pixel_values"].shape[0] == 4
+    packed = collate_packed([with_images[:2], with_images[2:]], max_patches_per_row=24, max_tokens_per_row=48, pad_id=0)
+    with pytest.raises(ValueError, match="holds 4 images for 2 rows"):
+        prepare(packed)

@@ -8,6 +8,8 @@
 * :func:`load_pretrained` / :func:`pretrained_key_map`: a local Hugging Face directory read into a meta-built,
   parallelised model, each rank reading only its shards' slices (what ``HFCausalLMModule(pretrained=DIR)`` does under
   ``HybridParallelStrategy``, :mod:`lightning_mm.models.hf.pretrained`).
+* :func:`llava_inputs`: the DataModule's batches (variable-resolution patches, packed rows too) as a LLaVA-style
+  model's ``input_ids`` with each sample's image tokens and ``pixel_values`` (:mod:`lightning_mm.models.hf.images`).
 * :func:`~lightning_mm.models.hf.export.export_pretrained`: a checkpoint of any mesh -> a directory that
   ``AutoModelForCausalLM.from_pretrained`` (or ``PeftModel.from_pretrained`` for adapters) loads.
 
@@ -25,6 +27,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from lightning_mm.models.hf.export import export_pretrained
+from lightning_mm.models.hf.images import ImageTokens, llava_inputs
 from lightning_mm.models.hf.module import HFCausalLMModule
 from lightning_mm.models.hf.parallelize import (
     PIPELINE_FAMILIES,
@@ -46,11 +49,13 @@ __all__ = [
     "CausalLMStage",
     "DecoderLayout",
     "HFCausalLMModule",
+    "ImageTokens",
     "as_causal_lm_batch",
     "causal_lm_loss_sum",
     "causal_lm_parallel_plan",
     "decoder_layout",
     "export_pretrained",
+    "llava_inputs",
     "load_pretrained",
     "pretrained_key_map",
 ]

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_mm.models.common import data_parallel_group
+from lightning_mm.models.hf.images import ImageTokens
 from lightning_mm.models.hf.parallelize import (
     as_causal_lm_batch,
     causal_lm_loss_sum,
@@ -36,6 +37,11 @@ _META_LORA_OK = {("use_dora", False), ("init_lora_weights", True), ("lora_bias",
 init_lora_adapters`); others are refused there rather than trained from uninitialised adapters."""
 
 
+VOCAB_MULTIPLE = 64
+"""A vision-language text vocabulary grown by the image token is padded to a multiple of this (tensor parallel splits
+the embedding and LM head by rows)."""
+
+
 def build_causal_lm(
     config: dict[str, Any] | None = None,
     pretrained: str | None = None,
@@ -46,7 +52,9 @@ def build_causal_lm(
     """A ``transformers`` causal LM from a config dict (``{"model_type": "llama", "hidden_size": 64, ...}``; random
     init from the current seed) or from a *local* directory with safetensors weights (nothing is downloaded and no
     pickle is read). A config with a ``vision_config`` (``model_type: llava``) builds an image-text-to-text model;
-    ``vocab_size`` then applies to its text config.
+    ``vocab_size`` then applies to its text config, with one more id for the image token (``image_token_id =
+    vocab_size``: a tokenizer's ids never collide with it; the table padded to a multiple of
+    :data:`VOCAB_MULTIPLE`) unless the config names its ``image_token_id``.
 
     Parameters are in torch's default dtype (float32 unless changed), whatever dtype the checkpoint stores: the
     precision plugin decides what computes in bf16, and AdamW keeps float32 master weights. ``empty=True`` (with
@@ -76,7 +84,14 @@ def build_causal_lm(
         raise ValueError(f"config must name its 'model_type' (e.g. 'llama'), got keys {sorted(config)}")
     hf_config = AutoConfig.for_model(model_type, **config)
     if vocab_size is not None:
-        hf_config.get_text_config().vocab_size = int(vocab_size)
+        text_vocab = int(vocab_size)
+        if hasattr(hf_config, "vision_config") and not {"image_token_id", "image_token_index"} & set(config):
+            # The data's tokenizer has no image token: the next id, outside its vocabulary, marks the image tokens;
+            # the table is padded to a multiple of 64 (Megatron's make-vocab-size-divisible-by) so that tensor
+            # parallel can still split it. No target is ever one of the added ids.
+            hf_config.image_token_id = text_vocab
+            text_vocab = -(-(text_vocab + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        hf_config.get_text_config().vocab_size = text_vocab
     auto = AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
     return auto.from_config(hf_config, attn_implementation=attn_implementation)
 
@@ -235,7 +250,7 @@ class HFCausalLMModule(L.LightningModule):
         return self.model(input_ids=input_ids, use_cache=False, **extra).logits
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        data = as_causal_lm_batch(batch)
+        data = as_causal_lm_batch(batch, ImageTokens.of(self.causal_lm))
         logits = self(
             data["input_ids"], data["attention_mask"], data.get("pixel_values"), position_ids=data["position_ids"]
         )

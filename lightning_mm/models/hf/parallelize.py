@@ -44,6 +44,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
+from lightning_mm.models.hf.images import ImageTokens, llava_inputs
 from lightning_mm.parallel.collectives import all_reduce_sum, at_least_float32, group_size
 from lightning_mm.parallel.pipeline import PipelineSplit, prune_units
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, PipelineSpec
@@ -246,11 +247,13 @@ def hf_tp_plan(layout: DecoderLayout, lm: nn.Module) -> dict[str, str | Parallel
 # ------------------------------------------------------------------------------------------------------ batches, loss
 
 
-def as_causal_lm_batch(batch: Any) -> dict[str, torch.Tensor]:
+def as_causal_lm_batch(batch: Any, images: ImageTokens | None = None) -> dict[str, torch.Tensor]:
     """``{"input_ids", "position_ids", "attention_mask", "targets"}`` (each ``(R, T)`` long) from a batch.
 
     Accepted: a :class:`~lightning_mm.batch.MultimodalBatch`, one caption per row or several packed into a row
-    (``regroup: pack``; its ``labels`` are next-token targets within each caption already; the images are ignored),
+    (``regroup: pack``; its ``labels`` are next-token targets within each caption already; the images are ignored
+    by a text model; for a LLaVA-style model, ``images`` from :meth:`ImageTokens.of`, each sample's image tokens go
+    before its caption and its patches become ``pixel_values``: :func:`~lightning_mm.models.hf.images.llava_inputs`),
     or a mapping with ``input_ids`` and optional ``attention_mask`` / ``labels`` / ``position_ids`` in Hugging Face's
     convention (``labels`` aligned with ``input_ids``, shifted here; default: the input ids where the mask is 1;
     packed sequences as transformers' ``DataCollatorWithFlattening`` writes them: ``position_ids`` restarting at 0 at
@@ -263,6 +266,8 @@ def as_causal_lm_batch(batch: Any) -> dict[str, torch.Tensor]:
     sample (``masking_utils.find_packed_sequence_indices``). No target crosses into the next sample.
     """
     if isinstance(batch, MultimodalBatch):
+        if images is not None:
+            return llava_inputs(batch, images)
         return {
             "input_ids": batch.tokens,
             "position_ids": segment_positions(batch.token_segment),
@@ -470,9 +475,18 @@ def _fixed_length_padder(max_length: int | None, lm: nn.Module):
     ``max_length``, or the first batch's length when None."""
     length: list[int] = [max_length] if max_length else []
 
+    images = ImageTokens.of(lm)
+
     def prepare(batch: Any) -> dict[str, torch.Tensor]:
-        out = as_causal_lm_batch(batch)
+        out = as_causal_lm_batch(batch, images)
         layout_kwargs(lm, out["attention_mask"], out["position_ids"])  # a packed batch the stages cannot run: refused
+        pixels = out.get("pixel_values")
+        if pixels is not None and pixels.shape[0] != out["input_ids"].shape[0]:
+            raise ValueError(
+                f"a pipelined vision-language batch holds {pixels.shape[0]} images for {out['input_ids'].shape[0]} "
+                "rows: microbatches split pixel_values by rows, so every row needs exactly one image (regroup 'none' "
+                "or 'bucket' with an image in every sample; packed rows hold several)"
+            )
         current = out["input_ids"].shape[1]
         if not length:
             length.append(current)

@@ -1,0 +1,107 @@
+"""LLaVA-style inputs from the DataModule's batches: each sample's image tokens before its caption, its patches back on
+one canvas.
+
+A :class:`~lightning_mm.batch.MultimodalBatch` carries variable-resolution patches (each image cut on its own grid of
+``P x P`` patches, ``patch_pos`` saying where each patch sits) and captions, one sample per row or several packed into
+a row. A LLaVA-style model reads an image as ``pixel_values (3, S, S)`` whose vision-tower features replace ``count``
+copies of ``image_token_id`` in ``input_ids``, in order of appearance. :func:`llava_inputs` builds both: every sample
+with an image gets its ``count`` image tokens right before its caption (no loss on them), its patches placed back on
+an ``S x S`` canvas at their grid positions (the rest zero); positions restart at every sample, image tokens
+included, so a packed row keeps each sample with its own image (transformers' packed-sequence masks,
+:func:`~lightning_mm.models.hf.parallelize.layout_kwargs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
+
+__all__ = ["ImageTokens", "llava_inputs"]
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """How a LLaVA-style model reads one image: ``count`` copies of ``token_id``, one ``(3, size, size)`` canvas."""
+
+    token_id: int
+    count: int
+    size: int
+
+    @classmethod
+    def of(cls, lm: Any) -> ImageTokens | None:
+        """From a transformers model's config (``vision_config`` and ``image_token_id``); None for a text model."""
+        config = getattr(lm, "config", None)
+        vision = getattr(config, "vision_config", None)
+        token_id = getattr(config, "image_token_id", None)
+        if token_id is None:
+            token_id = getattr(config, "image_token_index", None)
+        if vision is None or token_id is None:
+            return None
+        size, patch = int(vision.image_size), int(vision.patch_size)
+        count = (size // patch) ** 2
+        if getattr(config, "vision_feature_select_strategy", "default") == "full":
+            count += 1  # the CLS feature is kept
+        return cls(int(token_id), count, size)
+
+
+def _canvas(patches: torch.Tensor, positions: torch.Tensor, size: int) -> torch.Tensor:
+    """``patches (n, 3*P*P)`` at grid ``positions (n, 2)`` -> ``(3, size, size)``, zero where no patch lies."""
+    patch = int(round((patches.shape[-1] / 3) ** 0.5))
+    canvas = patches.new_zeros(3, size, size)
+    rows, cols = int(positions[:, 0].max()) + 1, int(positions[:, 1].max()) + 1
+    if rows * patch > size or cols * patch > size:
+        raise ValueError(
+            f"an image of {rows} x {cols} patches of {patch} px does not fit the vision tower's image_size {size}: "
+            f"give the DataModule max_patches_per_image / patch_size with at most {size // patch} patches per side"
+        )
+    pixels = patches.view(-1, 3, patch, patch)
+    for (row, col), values in zip(positions.tolist(), pixels, strict=True):
+        canvas[:, row * patch : (row + 1) * patch, col * patch : (col + 1) * patch] = values
+    return canvas
+
+
+def llava_inputs(batch: MultimodalBatch, images: ImageTokens) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "position_ids", "attention_mask", "targets"}`` ``(R, T + S * count)`` and ``pixel_values
+    (images, 3, size, size)`` (absent when no sample has an image) from a batch of ``R`` rows, ``T`` token slots and
+    ``S`` segment slots. Targets are the batch's next-token labels on caption tokens, -100 on image tokens and
+    padding."""
+    if bool((batch.tokens[batch.token_segment >= 0] == images.token_id).any()):
+        raise ValueError(
+            f"a caption holds token id {images.token_id}, the model's image_token_id: its image features would be "
+            "written over a text token; give the model an image_token_id outside the tokenizer's vocabulary"
+        )
+    rows, slots = batch.tokens.shape[0], batch.segment_slots
+    length = batch.tokens.shape[1] + slots * images.count
+    input_ids = batch.tokens.new_zeros(rows, length)
+    targets = torch.full_like(input_ids, IGNORE_INDEX)
+    positions = torch.zeros_like(input_ids)
+    mask = torch.zeros_like(input_ids)
+    canvases = []
+    for row in range(rows):
+        token_segment, patch_segment = batch.token_segment[row], batch.patch_segment[row]
+        column = 0
+        order = torch.unique_consecutive(token_segment[token_segment >= 0]).tolist()
+        if len(order) != len(set(order)):
+            raise ValueError(f"row {row}: a sample's caption tokens are split into several runs (segments {order})")
+        for segment in order:
+            caption = (token_segment == segment).nonzero().squeeze(1)
+            patches = (patch_segment == segment).nonzero().squeeze(1)
+            image = images.count if len(patches) else 0
+            if image:
+                input_ids[row, column : column + image] = images.token_id
+                canvases.append(_canvas(batch.patches[row, patches], batch.patch_pos[row, patches], images.size))
+            span = slice(column + image, column + image + len(caption))
+            input_ids[row, span] = batch.tokens[row, caption]
+            targets[row, span] = batch.labels[row, caption]
+            positions[row, column : span.stop] = torch.arange(span.stop - column)
+            mask[row, column : span.stop] = 1
+            column = span.stop
+        positions[row, column:] = torch.arange(length - column)  # padding: a run of its own, from 0
+    out = {"input_ids": input_ids, "position_ids": positions, "attention_mask": mask, "targets": targets}
+    if canvases:
+        out["pixel_values"] = torch.stack(canvases)
+    return out
