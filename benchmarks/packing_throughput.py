@@ -12,8 +12,11 @@ hits all alike; the median step of each mode is reported):
   dense masked against per-segment attention (and ``"auto"``).
 * ``hf_llama``: the tiny HF Llama of ``examples/hf/hf_llama.yaml`` on the default captions: ``none`` / ``bucket`` /
   ``pack`` (transformers' own packed-sequence attention: positions restart, no mask).
+* ``hf_llava``: ``examples/hf/hf_llava.yaml``'s LLaVA-style model on the same batches (each image back on a canvas,
+  its image tokens before its caption), ``none`` / ``bucket`` / ``pack``.
 
-Real tokens = non-padding caption tokens + image patches (VLM) or caption tokens (Llama) per second of
+Real tokens = non-padding caption tokens + image patches (VLM), caption tokens (Llama), caption + image tokens
+(LLaVA), per second of
 forward + backward + AdamW step, the batches loaded beforehand so data time is not counted.
 
 First, attention alone over row shapes around ``auto``'s threshold (dense against per-segment).
@@ -84,33 +87,56 @@ class _VLMStep:
         self.optimizer.step()
 
 
-class _LlamaStep:
-    """The HF module's own training computation (``HFCausalLMModule``: batch conversion, packed layout, loss)."""
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+"""examples/hf/hf_llama.yaml's decoder (longer positions: LLaVA rows hold image tokens too)."""
 
-    def __init__(self, vocab_size: int) -> None:
+
+def _llava(image_size: int) -> dict:
+    """examples/hf/hf_llava.yaml's model, its canvas sized for the benchmark's images."""
+    vision = {
+        "model_type": "clip_vision_model",
+        "image_size": image_size,
+        "patch_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    return {"model_type": "llava", "tie_word_embeddings": False, "text_config": LLAMA, "vision_config": vision}
+
+
+class _HFStep:
+    """The HF module's own training computation (``HFCausalLMModule``: batch conversion, packed layout, loss); real
+    tokens are the model's non-padding inputs (caption tokens; LLaVA: and image tokens)."""
+
+    def __init__(self, config: dict, vocab_size: int) -> None:
         from lightning_mm.models.hf import HFCausalLMModule
 
         # training_step logs through self.log; without a Trainer Lightning warns once per call.
         warnings.filterwarnings("ignore", message=".*self.trainer. reference is not registered.*")
         torch.manual_seed(0)
-        config = {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 64,
-            "tie_word_embeddings": False,
-        }
         self.module = HFCausalLMModule(config=config, vocab_size=vocab_size)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
 
-    def real_tokens(self, batch) -> int:
-        return int((batch.token_segment >= 0).sum())
+    def _inputs(self, batch) -> torch.Tensor:
+        from lightning_mm.models.hf import ImageTokens, as_causal_lm_batch
 
-    def slots(self, batch) -> int:  # a text-only model: patches are not its input
-        return batch.token_segment.numel()
+        return as_causal_lm_batch(batch, ImageTokens.of(self.module.causal_lm))["attention_mask"]
+
+    def real_tokens(self, batch) -> int:
+        return int(self._inputs(batch).sum())
+
+    def slots(self, batch) -> int:
+        return self._inputs(batch).numel()
 
     def __call__(self, batch) -> None:
         loss = self.module.training_step(batch, 0)
@@ -241,12 +267,14 @@ def main() -> None:
         max(2, args.steps // 2),
     )
     results["vlm_long_rows"]["tokens_per_row"] = float(long_batches[0].tokens.shape[1])
-    # --- HF Llama on the captions
-    results["hf_llama"] = _measure(
-        {mode: (_LlamaStep(vocab), loaded[mode]) for mode in ("none", "bucket", "pack")},
-        args.rounds,
-        args.steps,
-    )
+    # --- HF Llama on the captions, LLaVA on the image-caption pairs
+    modes = ("none", "bucket", "pack")
+    results["hf_llama"] = _measure({m: (_HFStep(LLAMA, vocab), loaded[m]) for m in modes}, args.rounds, args.steps)
+    # The canvas covers the widest grid in the loaded batches (16 px data patches); the vision tower reads it in 32 px
+    # patches, so an image of up to S x S data patches costs (S / 2)^2 image tokens.
+    side = max(int(b.patch_pos.max()) + 1 for batches in loaded.values() for b in batches)
+    llava = _llava(16 * (side + side % 2))
+    results["hf_llava"] = _measure({m: (_HFStep(llava, vocab), loaded[m]) for m in modes}, args.rounds, args.steps)
 
     for setting, modes in results.items():
         print(f"\n{setting}")

@@ -192,7 +192,7 @@ def _losses(run: dict) -> torch.Tensor:
     [("llama", mesh) for mesh in MESHES]
     + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
     + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")]
-    + [("llava_packed", mesh) for mesh in ("fsdp2", "tp2")],
+    + [("llava_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")],
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are

@@ -255,17 +255,27 @@ def test_an_image_larger_than_the_vision_canvas_is_refused_naming_the_sizes():
         as_causal_lm_batch(batch, images)
 
 
-def test_pipelined_llava_needs_one_image_per_row():
+def test_pipelined_llava_rows_carry_their_own_images():
+    """Pipeline microbatches split every input by rows: the padder gives each row its images (zeros after), and the
+    first stage reads back exactly the images of its rows, in order, packed rows included."""
     import copy
 
+    from lightning_mm.models.hf.images import images_by_row, images_in_order
     from lightning_mm.models.hf.parallelize import _fixed_length_padder
     from tests.hf_models import LLAVA
 
     module = HFCausalLMModule(config=copy.deepcopy(LLAVA))
+    images = ImageTokens.of(module.causal_lm)
     samples = _llava_samples()
-    prepare = _fixed_length_padder(None, module.causal_lm)
-    with_images = [s for s in samples if s.num_patches][:4]
-    assert prepare(collate_one_per_row(with_images, pad_id=0))["pixel_values"].shape[0] == 4
-    packed = collate_packed([with_images[:2], with_images[2:]], max_patches_per_row=24, max_tokens_per_row=48, pad_id=0)
-    with pytest.raises(ValueError, match="holds 4 images for 2 rows"):
-        prepare(packed)
+    packed = collate_packed([samples[0:3], samples[3:5], samples[5:7]], 24, 48, pad_id=0)
+    whole = as_causal_lm_batch(packed, images)
+    prepared = _fixed_length_padder(128, module.causal_lm)(packed)
+    per_row = prepared["pixel_values"]
+    assert per_row.shape == (3, 128 // images.count, 3, 16, 16)
+    assert [int(r.flatten(1).abs().sum(1).gt(0).sum()) for r in per_row] == [3, 1, 2]  # sample 3 has no image
+    torch.testing.assert_close(images_in_order(per_row, prepared["input_ids"], images), whole["pixel_values"])
+    # one microbatch of rows 1..2 reads rows 1..2's images only
+    part = images_in_order(per_row[1:], prepared["input_ids"][1:], images)
+    torch.testing.assert_close(part, whole["pixel_values"][3:])
+    with pytest.raises(ValueError, match="holds 5 images but 6 images' worth of image tokens"):
+        images_by_row(whole["pixel_values"][:5], whole["input_ids"], images, per_row=8)

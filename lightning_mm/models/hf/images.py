@@ -20,7 +20,7 @@ import torch
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
 
-__all__ = ["ImageTokens", "llava_inputs"]
+__all__ = ["ImageTokens", "images_by_row", "images_in_order", "llava_inputs", "llava_length"]
 
 
 @dataclass(frozen=True)
@@ -65,17 +65,18 @@ def _canvas(patches: torch.Tensor, positions: torch.Tensor, size: int) -> torch.
 
 
 def llava_inputs(batch: MultimodalBatch, images: ImageTokens) -> dict[str, torch.Tensor]:
-    """``{"input_ids", "position_ids", "attention_mask", "targets"}`` ``(R, T + S * count)`` and ``pixel_values
-    (images, 3, size, size)`` (absent when no sample has an image) from a batch of ``R`` rows, ``T`` token slots and
-    ``S`` segment slots. Targets are the batch's next-token labels on caption tokens, -100 on image tokens and
+    """``{"input_ids", "position_ids", "attention_mask", "targets"}`` ``(R, L)`` and ``pixel_values
+    (images, 3, size, size)`` (absent when no sample has an image) from a batch of ``R`` rows. ``L``: the longest row
+    (captions + ``count`` image tokens per image), at most :func:`llava_length` (a fixed shape, for pipelining, is
+    the padder's work). Targets are the batch's next-token labels on caption tokens, -100 on image tokens and
     padding."""
     if bool((batch.tokens[batch.token_segment >= 0] == images.token_id).any()):
         raise ValueError(
             f"a caption holds token id {images.token_id}, the model's image_token_id: its image features would be "
             "written over a text token; give the model an image_token_id outside the tokenizer's vocabulary"
         )
-    rows, slots = batch.tokens.shape[0], batch.segment_slots
-    length = batch.tokens.shape[1] + slots * images.count
+    rows = batch.tokens.shape[0]
+    length = llava_length(batch, images)
     input_ids = batch.tokens.new_zeros(rows, length)
     targets = torch.full_like(input_ids, IGNORE_INDEX)
     positions = torch.zeros_like(input_ids)
@@ -101,7 +102,49 @@ def llava_inputs(batch: MultimodalBatch, images: ImageTokens) -> dict[str, torch
             mask[row, column : span.stop] = 1
             column = span.stop
         positions[row, column:] = torch.arange(length - column)  # padding: a run of its own, from 0
-    out = {"input_ids": input_ids, "position_ids": positions, "attention_mask": mask, "targets": targets}
+    used = int(mask.sum(dim=1).max()) if rows else 0
+    out = {
+        "input_ids": input_ids[:, :used],
+        "position_ids": positions[:, :used],
+        "attention_mask": mask[:, :used],
+        "targets": targets[:, :used],
+    }
     if canvases:
         out["pixel_values"] = torch.stack(canvases)
     return out
+
+
+def llava_length(batch: MultimodalBatch, images: ImageTokens) -> int:
+    """The longest row any batch of this shape can give: ``T`` token slots + ``count`` per segment slot."""
+    return batch.tokens.shape[1] + batch.segment_slots * images.count
+
+
+def images_by_row(
+    pixel_values: torch.Tensor, input_ids: torch.Tensor, images: ImageTokens, per_row: int
+) -> torch.Tensor:
+    """``pixel_values (images, 3, H, W)`` in order of their image tokens -> ``(R, per_row, 3, H, W)``, row ``r``'s
+    images first, zeros after: a layout that microbatches can split by rows (pipeline parallel)."""
+    counts = _images_per_row(input_ids, images)
+    if int(counts.sum()) != pixel_values.shape[0]:
+        raise ValueError(
+            f"the batch holds {pixel_values.shape[0]} images but {int(counts.sum())} images' worth of image tokens "
+            f"({images.count} copies of token {images.token_id} each)"
+        )
+    if counts.numel() and int(counts.max()) > per_row:
+        raise ValueError(f"a row holds {int(counts.max())} images, more than the {per_row} a row can hold")
+    out = pixel_values.new_zeros(input_ids.shape[0], per_row, *pixel_values.shape[1:])
+    for row, chunk in enumerate(torch.split(pixel_values, counts.tolist())):
+        out[row, : len(chunk)] = chunk
+    return out
+
+
+def images_in_order(pixel_values: torch.Tensor, input_ids: torch.Tensor, images: ImageTokens) -> torch.Tensor:
+    """:func:`images_by_row`'s ``(r, per_row, 3, H, W)`` back to ``(images, 3, H, W)`` for the rows ``input_ids (r, T)``
+    of a microbatch (each row's image count read from its image tokens)."""
+    counts = _images_per_row(input_ids, images).clamp(max=pixel_values.shape[1])
+    keep = torch.arange(pixel_values.shape[1], device=counts.device)[None] < counts[:, None]
+    return pixel_values[keep]
+
+
+def _images_per_row(input_ids: torch.Tensor, images: ImageTokens) -> torch.Tensor:
+    return (input_ids == images.token_id).sum(dim=1) // images.count

@@ -44,7 +44,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
-from lightning_mm.models.hf.images import ImageTokens, llava_inputs
+from lightning_mm.models.hf.images import ImageTokens, images_by_row, images_in_order, llava_inputs, llava_length
 from lightning_mm.parallel.collectives import all_reduce_sum, at_least_float32, group_size
 from lightning_mm.parallel.pipeline import PipelineSplit, prune_units
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, PipelineSpec
@@ -433,6 +433,7 @@ class CausalLMStage(nn.Module):
     def __init__(self, lm: nn.Module, entry: nn.Module, first: bool, last: bool) -> None:
         super().__init__()
         self.lm = lm
+        self.images = ImageTokens.of(lm)
         # Not registered as a child (it is inside `lm` already); stage 0 calls it.
         self._entry = [entry]
         self.first, self.last = first, last
@@ -444,14 +445,15 @@ class CausalLMStage(nn.Module):
         position_ids: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
     ) -> Any:
-        """``pixel_values (images, 3, H, W)``: stage 0 of a vision-language model."""
+        """``pixel_values (R, per_row, 3, H, W)``: stage 0 of a vision-language model, each row's images
+        (:func:`~lightning_mm.models.hf.images.images_by_row`)."""
         # (not validated again: prepare_batch checked the batch, and torch's pipelining runs the stages once on
         # uninitialised inputs to infer shapes)
         packed = bool(_sample_starts(attention_mask, position_ids).any())
         kwargs: dict[str, Any] = {**layout_kwargs(self.lm, attention_mask, position_ids, packed), "use_cache": False}
         if self.first:
             if pixel_values is not None:
-                kwargs["pixel_values"] = pixel_values
+                kwargs["pixel_values"] = images_in_order(pixel_values, x, self.images)
             hidden = self._entry[0](input_ids=x, **kwargs).last_hidden_state
         else:
             hidden = self.lm.get_decoder()(inputs_embeds=x, **kwargs).last_hidden_state
@@ -474,22 +476,16 @@ def _fixed_length_padder(max_length: int | None, lm: nn.Module):
     """Batch -> causal LM batch padded on the right to one sequence length (pipelining needs fixed shapes):
     ``max_length``, or the first batch's length when None."""
     length: list[int] = [max_length] if max_length else []
-
     images = ImageTokens.of(lm)
 
     def prepare(batch: Any) -> dict[str, torch.Tensor]:
         out = as_causal_lm_batch(batch, images)
         layout_kwargs(lm, out["attention_mask"], out["position_ids"])  # a packed batch the stages cannot run: refused
-        pixels = out.get("pixel_values")
-        if pixels is not None and pixels.shape[0] != out["input_ids"].shape[0]:
-            raise ValueError(
-                f"a pipelined vision-language batch holds {pixels.shape[0]} images for {out['input_ids'].shape[0]} "
-                "rows: microbatches split pixel_values by rows, so every row needs exactly one image (regroup 'none' "
-                "or 'bucket' with an image in every sample; packed rows hold several)"
-            )
         current = out["input_ids"].shape[1]
         if not length:
-            length.append(current)
+            # Image tokens make a DataModule batch's length vary: its bound, not the first batch's, for every step.
+            bound = llava_length(batch, images) if images and isinstance(batch, MultimodalBatch) else current
+            length.append(bound)
         if current > length[0]:
             raise ValueError(
                 f"a batch of sequence length {current} is longer than the pipeline's fixed length {length[0]} "
@@ -506,6 +502,12 @@ def _fixed_length_padder(max_length: int | None, lm: nn.Module):
                 "attention_mask": F.pad(out["attention_mask"], (0, pad), value=0),
                 "targets": F.pad(out["targets"], (0, pad), value=IGNORE_INDEX),
             }
+        if out.get("pixel_values") is not None:
+            # Microbatches split every input by rows: each row carries its own images, as many slots as the fixed
+            # length can hold image tokens for (one shape for every step).
+            out["pixel_values"] = images_by_row(
+                out["pixel_values"], out["input_ids"], images, max(1, length[0] // images.count)
+            )
         return out
 
     return prepare
