@@ -279,3 +279,64 @@ def test_pipelined_llava_rows_carry_their_own_images():
     torch.testing.assert_close(part, whole["pixel_values"][3:])
     with pytest.raises(ValueError, match="holds 5 images but 6 images' worth of image tokens"):
         images_by_row(whole["pixel_values"][:5], whole["input_ids"], images, per_row=8)
+
+
+def test_qwen2_vl_mrope_packed_rows_equal_each_sample_alone():
+    """Qwen2-VL's 3-D rotary positions (mRoPE) in a packed row: each sample's (temporal, height, width) positions
+    from the model's own get_rope_index on the sample alone, the 1-D positions restarting at each sample in front
+    (``packed_mrope_position_ids``), no mask and no cache: every sample's logits equal those it has alone (float64).
+    Without the 1-D row (3-D positions only, as the model numbers a row by itself) transformers sees no packed
+    samples and they attend to each other."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from lightning_mm.models.hf.images import packed_mrope_position_ids
+
+    image, start, end = 120, 122, 123
+    text = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    text |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 32, "num_heads": 4, "patch_size": 4}
+    vision |= {"spatial_merge_size": 2, "temporal_patch_size": 2}
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image,
+        video_token_id=121,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config).double()
+    gen = torch.Generator().manual_seed(1)
+    grids = torch.tensor([[1, 2, 2], [1, 4, 2], [1, 2, 4]])  # (t, h, w) patches: 1, 2 and 2 merged image tokens
+    sequences = []
+    for (t, h, w), words in zip(grids.tolist(), (5, 7, 4), strict=True):
+        tokens = torch.randint(1, 100, (words,), generator=gen)
+        sequences.append(
+            torch.cat([torch.tensor([start]), torch.full((t * h * w // 4,), image), torch.tensor([end]), tokens])
+        )
+    pixels = torch.randn(int(grids.prod(dim=1).sum()), 3 * 2 * 4 * 4, generator=gen, dtype=torch.float64)
+    alone, offset = [], 0
+    for index, sequence in enumerate(sequences):
+        patches = int(grids[index].prod())
+        out = model(
+            input_ids=sequence[None],
+            mm_token_type_ids=(sequence == image).int()[None],
+            pixel_values=pixels[offset : offset + patches],
+            image_grid_thw=grids[index : index + 1],
+            use_cache=False,
+        )
+        alone.append(out.logits[0])
+        offset += patches
+    ids = torch.cat(sequences)[None]
+    types = (ids == image).int()
+    positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+    mrope = packed_mrope_position_ids(model, ids, types, grids, positions)
+    assert mrope.shape == (4, 1, ids.shape[1])
+    inputs = {"input_ids": ids, "mm_token_type_ids": types, "pixel_values": pixels, "image_grid_thw": grids}
+    packed = model(**inputs, position_ids=mrope, use_cache=False).logits[0]
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-12, atol=1e-12)
+    crossed = model(**inputs, position_ids=mrope[1:], use_cache=False).logits[0]
+    assert (crossed - torch.cat(alone)).abs().max() > 1e-3

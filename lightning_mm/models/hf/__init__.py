@@ -27,7 +27,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from lightning_mm.models.hf.export import export_pretrained
-from lightning_mm.models.hf.images import ImageTokens, llava_inputs
+from lightning_mm.models.hf.images import ImageTokens, llava_inputs, packed_mrope_position_ids
 from lightning_mm.models.hf.module import HFCausalLMModule
 from lightning_mm.models.hf.parallelize import (
     PIPELINE_FAMILIES,
@@ -56,6 +56,7 @@ __all__ = [
     "decoder_layout",
     "export_pretrained",
     "llava_inputs",
+    "packed_mrope_position_ids",
     "load_pretrained",
     "pretrained_key_map",
 ]

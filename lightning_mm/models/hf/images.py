@@ -20,7 +20,14 @@ import torch
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
 
-__all__ = ["ImageTokens", "images_by_row", "images_in_order", "llava_inputs", "llava_length"]
+__all__ = [
+    "ImageTokens",
+    "images_by_row",
+    "images_in_order",
+    "llava_inputs",
+    "llava_length",
+    "packed_mrope_position_ids",
+]
 
 
 @dataclass(frozen=True)
@@ -148,3 +155,37 @@ def images_in_order(pixel_values: torch.Tensor, input_ids: torch.Tensor, images:
 
 def _images_per_row(input_ids: torch.Tensor, images: ImageTokens) -> torch.Tensor:
     return (input_ids == images.token_id).sum(dim=1) // images.count
+
+
+def packed_mrope_position_ids(
+    model: Any,
+    input_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Qwen2-VL-style multimodal rotary positions (mRoPE) for packed rows: ``(4, R, L)``, for ``model(...,
+    position_ids=..., use_cache=False)`` without an attention mask.
+
+    Row 0 is ``position_ids (R, L)``, the 1-D positions restarting at 0 at every sample: transformers builds its
+    packed-sequence mask from it (``masking_utils.find_packed_sequence_indices``; only without a cache), which keeps
+    attention inside each sample; given only the 3-D positions it sees one sequence per row. Rows 1-3 are each
+    sample's (temporal, height, width) positions from the model's own ``get_rope_index`` on that sample alone, with its
+    images' rows of ``image_grid_thw (images, 3)`` (taken in order; ``mm_token_type_ids (R, L)``: 1 on image tokens),
+    the numbers the sample has in a row of its own (rotary attention depends on position differences, so positions
+    continued over the whole row differ from these by rounding only).
+    """
+    rope_index = getattr(model, "get_rope_index", None) or model.model.get_rope_index
+    spatial = torch.zeros(3, *input_ids.shape, dtype=position_ids.dtype, device=position_ids.device)
+    grids = iter(image_grid_thw if image_grid_thw is not None else [])
+    for row in range(input_ids.shape[0]):
+        starts = (position_ids[row] == 0).nonzero().squeeze(1).tolist() + [input_ids.shape[1]]
+        for start, stop in zip(starts[:-1], starts[1:], strict=True):
+            types = mm_token_type_ids[row, start:stop]
+            images = int((types[1:] != types[:-1]).logical_and(types[1:] == 1).sum()) + int(types[0] == 1)
+            sample_grids = torch.stack([next(grids) for _ in range(images)]) if images else None
+            positions, _ = rope_index(
+                input_ids[row : row + 1, start:stop], mm_token_type_ids=types[None], image_grid_thw=sample_grids
+            )
+            spatial[:, row, start:stop] = positions[:, 0]
+    return torch.cat([position_ids[None], spatial])
