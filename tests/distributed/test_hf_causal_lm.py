@@ -127,6 +127,7 @@ MODELS = {
     "llava": (LLAVA, image_text_batches, {}),
     "llama_packed": (LLAMA, packed_batches, {}),  # several samples per row, attention kept inside each
     "llava_packed": (LLAVA, packed_image_batches, {}),  # the DataModule's batches: patches, packed rows
+    "qwen2_packed": ({**LLAMA, "model_type": "qwen2"}, packed_batches, {}),  # another decoder family, packed
 }
 
 
@@ -192,7 +193,7 @@ def _losses(run: dict) -> torch.Tensor:
     [("llama", mesh) for mesh in MESHES]
     + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
     + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")]
-    + [("llava_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")],
+    + [(model, mesh) for model in ("llava_packed", "qwen2_packed") for mesh in ("fsdp2", "tp2", "pp2")],
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are
