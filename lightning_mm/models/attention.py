@@ -9,14 +9,17 @@ row when causal). A :class:`SegmentLayout` is built once per forward from the id
   row's length squared: every query scores every other sample's keys only to mask them away.
 * ``"segments"``: each segment's queries and keys are gathered into a row of their own, segments of similar
   length batched together (lengths within a factor of :data:`GROUP_GROWTH`), and SDPA runs per group. Work grows
-  with the sum of the segments' lengths squared. Plain torch, any device; the CPU default.
+  with the sum of the segments' lengths squared. Plain torch, any device; what ``"auto"`` runs on long packed rows
+  off CUDA.
 * ``"varlen"``: :func:`torch.nn.attention.varlen.varlen_attn` (FlashAttention with ``cu_seqlens``) on the rows
   flattened into one sequence. CUDA, float16 / bfloat16, segments stored contiguously; ``"auto"`` takes it
   whenever those hold.
 * ``"flex"``: :func:`~torch.nn.attention.flex_attention.flex_attention` with a document ``BlockMask``, compiled
   on CUDA (eager elsewhere, which materialises the scores: a correctness path, not a fast one).
 
-``"auto"``: ``"varlen"`` where it applies, ``"segments"`` otherwise. The first choice of each kind is logged.
+``"auto"``: ``"varlen"`` where it applies (:func:`varlen_applies`); otherwise ``"segments"`` where grouping saves
+most of the score work on rows long enough for it to pay (:data:`DENSE_SCORES_FLOOR`, :data:`SEGMENTS_MAX_WORK`),
+``"dense"`` elsewhere. The first choice of each kind is logged.
 
 Queries that may read no key (padding, a caption whose sample has no image) get a zero output in every
 implementation except ``"dense"``, which keeps SDPA's behaviour on the always-safe mask its callers build (padding
@@ -27,6 +30,7 @@ and gradients; the tests compare them in float64.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass, field
@@ -36,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "varlen_applies",
     "ATTENTION_IMPLEMENTATIONS",
     "DENSE_SCORES_FLOOR",
     "GROUP_GROWTH",
@@ -53,8 +58,8 @@ GROUP_GROWTH = 1.5
 DENSE_SCORES_FLOOR = 2**19
 """``"auto"`` keeps ``"dense"`` for batches with fewer query-key pairs (``R * Lq * Lk``) than this: there a dense call
 costs less than the per-group gathers and calls of ``"segments"`` (CPU, attention alone, causal captions of 10-60
-tokens: 8 rows of 128 tokens, 2.9x less score work, still 1.3x slower grouped; 4 rows of 512, 2.9x faster grouped;
-``attention_only`` in benchmarks/results/packing_throughput.json)."""
+tokens: 8 rows of 128 tokens, 2.9x less score work, still 1.8x slower grouped; 4 rows of 256, 0.95x; 4 rows of 512,
+2.5x faster grouped; ``attention_only`` in benchmarks/results/packing_throughput.json)."""
 SEGMENTS_MAX_WORK = 0.25
 """``"auto"`` takes ``"segments"`` when its exact score work is at most this fraction of the dense call's (grouping
 pads each segment by up to ``GROUP_GROWTH ** 2``)."""
@@ -165,7 +170,9 @@ class SegmentLayout:
             raise ValueError(
                 f"query_segment has {self.query_segment.shape[0]} rows, key_segment {self.key_segment.shape[0]}"
             )
-        if self.causal and self.query_segment.shape != self.key_segment.shape:
+        if self.causal and not (
+            self.key_segment is self.query_segment or torch.equal(self.key_segment, self.query_segment)
+        ):
             raise ValueError("causal attention needs queries and keys on the same positions (self-attention)")
 
     # ------------------------------------------------------------------------------------------ entry point
@@ -190,8 +197,8 @@ class SegmentLayout:
         if self.implementation != "auto":
             _log_choice(self.implementation, "asked for")
             return self.implementation
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and self.contiguous:
-            _log_choice("varlen", "CUDA, half precision, contiguous segments")
+        if varlen_applies(q) and self.contiguous and self._varlen_plan[0].numel() > 0:
+            _log_choice("varlen", "CUDA with FlashAttention, half precision, contiguous segments")
             return "varlen"
         kind, reason = self._auto_choice
         _log_choice(kind, f"no FlashAttention varlen for this device / dtype / layout; {reason}")
@@ -261,9 +268,7 @@ class SegmentLayout:
         q_segments = paired.nonzero().squeeze(1)
         k_segments = where[q_segments]
         q_len, k_len = queries.counts[q_segments], keys.counts[k_segments]
-        bucket = (q_len.double().log() / math.log(GROUP_GROWTH)).floor().long() * 4096 + (
-            k_len.double().log() / math.log(GROUP_GROWTH)
-        ).floor().long()
+        bucket = _length_bucket(q_len) * 4096 + _length_bucket(k_len)
         groups, targets = [], []
         for value in torch.unique(bucket).tolist():
             members = (bucket == value).nonzero().squeeze(1)
@@ -345,6 +350,8 @@ class SegmentLayout:
                 "use 'segments' for this batch layout"
             )
         q_pos, k_pos, cu_q, cu_k, max_q, max_k = plan
+        if q_pos.numel() == 0:  # no query has a key (e.g. cross-attention of a microbatch without images)
+            return q.new_zeros(*q.shape[:-1], v.shape[-1])
         flat_q = q.transpose(1, 2).reshape(rows * len_q, heads, dim).index_select(0, q_pos)
         flat_k = k.transpose(1, 2).reshape(-1, heads, k.shape[-1]).index_select(0, k_pos)
         flat_v = v.transpose(1, 2).reshape(-1, heads, v.shape[-1]).index_select(0, k_pos)
@@ -354,21 +361,51 @@ class SegmentLayout:
         return full.view(rows, len_q, heads, -1).transpose(1, 2)
 
     def _attend_flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import flex_attention
 
-        q_seg, k_seg, causal = self.query_segment, self.key_segment, self.causal
-
-        def same_segment(batch, head, query, key):
-            allowed = (q_seg[batch, query] == k_seg[batch, key]) & (k_seg[batch, key] >= 0)
-            return allowed & (key <= query) if causal else allowed
-
-        block_mask = create_block_mask(
-            same_segment, q.shape[0], None, q.shape[2], k.shape[2], device=q.device, _compile=q.is_cuda
-        )
+        if q.numel() == 0 or k.numel() == 0:
+            return q.new_zeros(*q.shape[:-1], v.shape[-1])
         attend = _compiled_flex() if q.is_cuda else flex_attention
-        out = attend(q, k, v, block_mask=block_mask)
         # flex_attention returns zeros for queries without any allowed key, as the other implementations do.
-        return out
+        return attend(q, k, v, block_mask=self._block_mask(q.device))
+
+    def _block_mask(self, device: torch.device):
+        """The document ``BlockMask``, built once per layout and device (every layer reuses it)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        cache = self.__dict__.setdefault("_block_masks", {})
+        if device not in cache:
+            q_seg, k_seg, causal = self.query_segment, self.key_segment, self.causal
+
+            def same_segment(batch, head, query, key):
+                allowed = (q_seg[batch, query] == k_seg[batch, key]) & (k_seg[batch, key] >= 0)
+                return allowed & (key <= query) if causal else allowed
+
+            rows, len_q = q_seg.shape
+            cache[device] = create_block_mask(
+                same_segment, rows, None, len_q, k_seg.shape[1], device=device, _compile=device.type == "cuda"
+            )
+        return cache[device]
+
+
+def _length_bucket(lengths: torch.Tensor) -> torch.Tensor:
+    """Index of the ``[GROUP_GROWTH^b, GROUP_GROWTH^(b+1))`` range each length falls in (float32: any device)."""
+    return (lengths.float().log() / math.log(GROUP_GROWTH)).floor().long()
+
+
+def varlen_applies(q: torch.Tensor) -> bool:
+    """Whether torch's FlashAttention ``varlen_attn`` can run on queries like ``q (R, H, L, d)``: CUDA with compute
+    capability >= 8.0, float16 / bfloat16, head size a multiple of 8 up to 256, and a torch whose ``varlen_attn`` takes
+    ``window_size`` (2.10 and later; earlier ones lack the module or the argument)."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    if q.shape[-1] % 8 or q.shape[-1] > 256 or torch.cuda.get_device_capability(q.device) < (8, 0):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "window_size" in inspect.signature(varlen_attn).parameters
 
 
 def _gather_rows(flat: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
@@ -394,5 +431,5 @@ def _compiled_flex():
     if _COMPILED_FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        _COMPILED_FLEX = torch.compile(flex_attention)  # dynamic shapes after the first recompilation
     return _COMPILED_FLEX

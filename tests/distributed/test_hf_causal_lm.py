@@ -22,6 +22,7 @@ moves with the float32 rounding. MEASURED below.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import lightning as L
@@ -104,11 +105,19 @@ def packed_batches(dp_rank: int, dp: int) -> list[MultimodalBatch]:
     return [batches[step % 2] for step in range(STEPS)]
 
 
-def packed_image_batches(dp_rank: int, dp: int) -> list[MultimodalBatch]:
+def packed_image_batches(dp_rank: int, dp: int, text_only_half: bool = False) -> list[MultimodalBatch]:
     """As :func:`packed_batches` for a LLaVA-style model: each sample's image (1-8 patches of 4 px on a 4 x 4 grid,
     every fifth sample without one) goes back on the vision tower's 16 px canvas, its image tokens before its caption
-    (:func:`lightning_mm.models.hf.llava_inputs`)."""
+    (:func:`lightning_mm.models.hf.llava_inputs`). ``text_only_half``: the second half of every global batch (data-
+    parallel rank 1's share on 2 ranks) holds no image at all."""
     samples = random_samples(2 * 3 * GLOBAL_BATCH, patch_size=4, vocab_size=IMAGE_TOKEN, patches=(1, 9), grid=4, seed=6)
+    if text_only_half:
+        samples = [
+            dataclasses.replace(s, patches=s.patches[:0], patch_pos=s.patch_pos[:0])
+            if (i // 3) % GLOBAL_BATCH >= GLOBAL_BATCH // 2
+            else s
+            for i, s in enumerate(samples)
+        ]
     rows = [samples[3 * row : 3 * row + 3] for row in range(2 * GLOBAL_BATCH)]
     per = GLOBAL_BATCH // dp
     batches = [
@@ -128,6 +137,8 @@ MODELS = {
     "llama_packed": (LLAMA, packed_batches, {}),  # several samples per row, attention kept inside each
     "llava_packed": (LLAVA, packed_image_batches, {}),  # the DataModule's batches: patches, packed rows
     "qwen2_packed": ({**LLAMA, "model_type": "qwen2"}, packed_batches, {}),  # another decoder family, packed
+    # rank 1's rows hold no image: its vision tower must still join the FSDP2 collectives (it hung before)
+    "llava_text_rank": (LLAVA, functools.partial(packed_image_batches, text_only_half=True), {}),
 }
 
 
@@ -193,7 +204,8 @@ def _losses(run: dict) -> torch.Tensor:
     [("llama", mesh) for mesh in MESHES]
     + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
     + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")]
-    + [(model, mesh) for model in ("llava_packed", "qwen2_packed") for mesh in ("fsdp2", "tp2", "pp2")],
+    + [(model, mesh) for model in ("llava_packed", "qwen2_packed") for mesh in ("fsdp2", "tp2", "pp2")]
+    + [("llava_text_rank", "fsdp2")],
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are

@@ -221,3 +221,28 @@ def test_ids_outside_the_slots_count_as_padding(implementation):
     q = torch.randn(1, 1, 6, 4)
     assert torch.isfinite(layout.attend(q, q, q)).all()
     assert segment_positions_from_ids(garbage, slots=2).tolist() == [[0, 0, 0, 0, 1, 0]]
+
+
+def test_causal_attention_needs_the_same_ids_on_both_sides():
+    ids = _segments(2, 10, 3, seed=10)
+    other = ids.clone()
+    other[0, 0] = 7
+    with pytest.raises(ValueError, match="causal attention needs queries and keys on the same positions"):
+        SegmentLayout(ids, other, True, "segments")
+    SegmentLayout(ids, ids.clone(), True, "segments")  # equal ids in another tensor are the same layout
+
+
+def test_varlen_is_not_chosen_off_cuda_and_flex_builds_its_mask_once():
+    from lightning_mm.models.attention import varlen_applies
+
+    q = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
+    assert not varlen_applies(q)
+    ids = _segments(2, 16, 3, seed=11)
+    layout = SegmentLayout(ids, ids, True, "flex")
+    x = torch.randn(2, 1, 16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = layout.attend(x, x, x)
+        mask = layout._block_mask(x.device)
+        torch.testing.assert_close(layout.attend(x, x, x), first)
+    assert layout._block_mask(x.device) is mask

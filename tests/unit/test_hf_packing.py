@@ -340,3 +340,67 @@ def test_qwen2_vl_mrope_packed_rows_equal_each_sample_alone():
     torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-12, atol=1e-12)
     crossed = model(**inputs, position_ids=mrope[1:], use_cache=False).logits[0]
     assert (crossed - torch.cat(alone)).abs().max() > 1e-3
+
+
+def test_the_canvas_holds_the_image_as_patchify_cut_it():
+    """A real image cut by the DataModule's patchify comes back on the canvas pixel for pixel (its resized grid in
+    the top-left corner, zeros elsewhere)."""
+    import numpy as np
+    from PIL import Image
+
+    from lightning_mm.datamodules.stages import patchify
+    from lightning_mm.models.hf.images import _canvas
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (30, 50, 3), dtype=np.uint8))
+    patches, positions = patchify(image, patch_size=4, max_patches=12)
+    rows, cols = int(positions[:, 0].max()) + 1, int(positions[:, 1].max()) + 1
+    canvas = _canvas(patches, positions, size=18)  # not a multiple of the patch: the last cells are cropped
+    resized = image.resize((cols * 4, rows * 4), Image.Resampling.BICUBIC)
+    expected = torch.from_numpy(np.asarray(resized, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1.0
+    assert canvas.shape == (3, 18, 18)
+    torch.testing.assert_close(canvas[:, : rows * 4, : cols * 4], expected)
+    assert canvas[:, rows * 4 :].abs().sum() == 0 and canvas[:, :, cols * 4 :].abs().sum() == 0
+
+
+def test_other_vision_language_models_are_refused_by_name_for_datamodule_batches():
+    class FakeQwen2VL:
+        class config:
+            model_type = "qwen2_vl"
+            vision_config = object()
+            image_token_id = 5
+
+    with pytest.raises(ValueError, match="'qwen2_vl'.*converted for \\['llava'\\] models only"):
+        ImageTokens.of(FakeQwen2VL())
+
+
+def test_a_named_image_token_inside_the_tokenizer_vocabulary_is_refused():
+    import copy
+
+    from tests.hf_models import LLAVA
+
+    with pytest.raises(ValueError, match="image_token_id=95 is one of the tokenizer's ids"):
+        HFCausalLMModule(config=copy.deepcopy(LLAVA), vocab_size=100)
+    module = HFCausalLMModule(config=copy.deepcopy(LLAVA), vocab_size=90)  # 95 lies outside: kept, table holds it
+    assert ImageTokens.of(module.causal_lm).token_id == 95
+    assert module.causal_lm.config.get_text_config().vocab_size == 128
+
+
+def test_a_batch_without_images_still_runs_the_vision_tower():
+    """FSDP2 shards the vision tower's layers as units of their own: a rank whose batch has no image must still run
+    them (a zero contribution), or the other ranks wait for its collectives forever."""
+    import copy
+
+    from tests.hf_models import IMAGE_TOKEN, LLAVA
+
+    module = HFCausalLMModule(config=copy.deepcopy(LLAVA))
+    calls = []
+    module.causal_lm.model.vision_tower.register_forward_hook(lambda *_: calls.append(1))
+    text_only = collate_one_per_row(random_samples(3, vocab_size=IMAGE_TOKEN, missing_every=1), pad_id=0)
+    loss, _ = _loss_and_logits(module, text_only)
+    assert calls and torch.isfinite(loss)
+    loss.backward()
+    # joined the backward (LLaVA reads the second-to-last layer: the last one gets no gradient either way), and
+    # contributed nothing
+    tower = [p.grad for p in module.causal_lm.model.vision_tower.parameters() if p.grad is not None]
+    assert tower and all(not grad.any() for grad in tower)

@@ -13,6 +13,8 @@ included, so a packed row keeps each sample with its own image (transformers' pa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,9 @@ import torch
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
 
 __all__ = [
+    "IMAGE_MODEL_TYPES",
     "ImageTokens",
+    "vision_without_images",
     "images_by_row",
     "images_in_order",
     "llava_inputs",
@@ -40,14 +44,23 @@ class ImageTokens:
 
     @classmethod
     def of(cls, lm: Any) -> ImageTokens | None:
-        """From a transformers model's config (``vision_config`` and ``image_token_id``); None for a text model."""
+        """From a transformers model's config; None for a text model. Vision-language models other than
+        :data:`IMAGE_MODEL_TYPES` are refused by name: they read images their own way (Qwen2-VL's grids, Gemma 3's
+        pooled tokens, LLaVA-NeXT's tiles), which these inputs do not build."""
         config = getattr(lm, "config", None)
         vision = getattr(config, "vision_config", None)
+        if vision is None:
+            return None
+        model_type = str(getattr(config, "model_type", ""))
         token_id = getattr(config, "image_token_id", None)
         if token_id is None:
             token_id = getattr(config, "image_token_index", None)
-        if vision is None or token_id is None:
-            return None
+        if model_type not in IMAGE_MODEL_TYPES or token_id is None:
+            raise ValueError(
+                f"{type(lm).__name__} ({model_type!r}) from the DataModule's image-caption batches: their images are "
+                f"converted for {list(IMAGE_MODEL_TYPES)} models only; give it mapping batches it reads itself "
+                "(input_ids with its image tokens, pixel_values and what else it needs)"
+            )
         size, patch = int(vision.image_size), int(vision.patch_size)
         count = (size // patch) ** 2
         if getattr(config, "vision_feature_select_strategy", "default") == "full":
@@ -55,20 +68,46 @@ class ImageTokens:
         return cls(int(token_id), count, size)
 
 
+IMAGE_MODEL_TYPES = ("llava",)
+"""``config.model_type`` of the vision-language models :func:`llava_inputs` builds inputs for (one fixed-size image,
+``(image_size / patch_size)^2`` image tokens)."""
+
+
+@contextmanager
+def vision_without_images(lm: Any, images: ImageTokens) -> Iterator[None]:
+    """Inside the block, the model's input embeddings get a zero added that is computed through the vision tower and
+    projector on one blank canvas: a step without any image still runs the tower, where image features would enter
+    (after the embedding, before the decoder; in backward, after the decoder), so every rank joins the collectives of
+    its FSDP2 units in the same order (a rank skipping them while another runs them would wait for it forever). A
+    hook on the embedding, not a call before the model: FSDP2 gathers the embedding's shards in the model's own
+    forward."""
+
+    def add_zero(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        canvas = output.new_zeros(1, 3, images.size, images.size)
+        features = lm.model.get_image_features(pixel_values=canvas).pooler_output
+        return output + sum(feature.sum() for feature in features) * 0.0
+
+    handle = lm.get_input_embeddings().register_forward_hook(add_zero)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _canvas(patches: torch.Tensor, positions: torch.Tensor, size: int) -> torch.Tensor:
-    """``patches (n, 3*P*P)`` at grid ``positions (n, 2)`` -> ``(3, size, size)``, zero where no patch lies."""
+    """``patches (n, 3*P*P)`` at grid ``positions (n, 2)`` -> ``(3, size, size)``, zero where no patch lies (one
+    indexed write for the whole image)."""
     patch = int(round((patches.shape[-1] / 3) ** 0.5))
-    canvas = patches.new_zeros(3, size, size)
+    side = -(-size // patch)  # grid cells per side, the last one cropped when size is not a multiple of P
     rows, cols = int(positions[:, 0].max()) + 1, int(positions[:, 1].max()) + 1
     if rows * patch > size or cols * patch > size:
         raise ValueError(
             f"an image of {rows} x {cols} patches of {patch} px does not fit the vision tower's image_size {size}: "
             f"give the DataModule max_patches_per_image / patch_size with at most {size // patch} patches per side"
         )
-    pixels = patches.view(-1, 3, patch, patch)
-    for (row, col), values in zip(positions.tolist(), pixels, strict=True):
-        canvas[:, row * patch : (row + 1) * patch, col * patch : (col + 1) * patch] = values
-    return canvas
+    grid = patches.new_zeros(side, side, 3, patch, patch)
+    grid[positions[:, 0], positions[:, 1]] = patches.view(-1, 3, patch, patch)
+    return grid.permute(2, 0, 3, 1, 4).reshape(3, side * patch, side * patch)[:, :size, :size]
 
 
 def llava_inputs(batch: MultimodalBatch, images: ImageTokens) -> dict[str, torch.Tensor]:
@@ -183,9 +222,14 @@ def packed_mrope_position_ids(
         for start, stop in zip(starts[:-1], starts[1:], strict=True):
             types = mm_token_type_ids[row, start:stop]
             images = int((types[1:] != types[:-1]).logical_and(types[1:] == 1).sum()) + int(types[0] == 1)
-            sample_grids = torch.stack([next(grids) for _ in range(images)]) if images else None
+            taken = [grid for _, grid in zip(range(images), grids, strict=False)]
+            if len(taken) < images:
+                raise ValueError(f"image_grid_thw has fewer rows than the images of input_ids (row {row})")
+            sample_grids = torch.stack(taken) if images else None
             positions, _ = rope_index(
                 input_ids[row : row + 1, start:stop], mm_token_type_ids=types[None], image_grid_thw=sample_grids
             )
             spatial[:, row, start:stop] = positions[:, 0]
+    if next(grids, None) is not None:
+        raise ValueError("image_grid_thw has more rows than input_ids has images")
     return torch.cat([position_ids[None], spatial])

@@ -12,8 +12,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_mm.batch import MultimodalBatch
 from lightning_mm.models.common import data_parallel_group
-from lightning_mm.models.hf.images import ImageTokens
+from lightning_mm.models.hf.images import ImageTokens, vision_without_images
 from lightning_mm.models.hf.parallelize import (
     as_causal_lm_batch,
     causal_lm_loss_sum,
@@ -53,8 +54,8 @@ def build_causal_lm(
     init from the current seed) or from a *local* directory with safetensors weights (nothing is downloaded and no
     pickle is read). A config with a ``vision_config`` (``model_type: llava``) builds an image-text-to-text model;
     ``vocab_size`` then applies to its text config, with one more id for the image token (``image_token_id =
-    vocab_size``: a tokenizer's ids never collide with it; the table padded to a multiple of
-    :data:`VOCAB_MULTIPLE`) unless the config names its ``image_token_id``.
+    vocab_size``, or the config's own ``image_token_id``, which must be ``>= vocab_size``: a tokenizer's ids never
+    collide with it; the table grown to hold it and padded to a multiple of :data:`VOCAB_MULTIPLE`).
 
     Parameters are in torch's default dtype (float32 unless changed), whatever dtype the checkpoint stores: the
     precision plugin decides what computes in bf16, and AdamW keeps float32 master weights. ``empty=True`` (with
@@ -85,12 +86,21 @@ def build_causal_lm(
     hf_config = AutoConfig.for_model(model_type, **config)
     if vocab_size is not None:
         text_vocab = int(vocab_size)
-        if hasattr(hf_config, "vision_config") and not {"image_token_id", "image_token_index"} & set(config):
-            # The data's tokenizer has no image token: the next id, outside its vocabulary, marks the image tokens;
-            # the table is padded to a multiple of 64 (Megatron's make-vocab-size-divisible-by) so that tensor
-            # parallel can still split it. No target is ever one of the added ids.
-            hf_config.image_token_id = text_vocab
-            text_vocab = -(-(text_vocab + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        if hasattr(hf_config, "vision_config"):
+            # The data's tokenizer has no image token: the image token takes an id outside its vocabulary (the next
+            # one unless the config names one), and the table grows to hold it, padded to a multiple of 64
+            # (Megatron's make-vocab-size-divisible-by) so that tensor parallel can still split it. No target is
+            # ever one of the added ids.
+            named = bool({"image_token_id", "image_token_index"} & set(config))
+            token = int(hf_config.image_token_id) if named else text_vocab
+            if token < text_vocab:
+                raise ValueError(
+                    f"config image_token_id={token} is one of the tokenizer's ids (vocab_size={text_vocab} from the "
+                    f"data): captions holding it would be read as images; name an id >= {text_vocab}, or leave "
+                    "image_token_id out (it becomes vocab_size)"
+                )
+            hf_config.image_token_id = token
+            text_vocab = -(-(token + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         hf_config.get_text_config().vocab_size = text_vocab
     auto = AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
     return auto.from_config(hf_config, attn_implementation=attn_implementation)
@@ -241,16 +251,24 @@ class HFCausalLMModule(L.LightningModule):
         With ``position_ids (R, T)`` restarting at 0 at each packed sample, a packed batch is given to the model with
         its positions and without a mask, so transformers keeps each token's attention inside its sample; rows of one
         sample keep their ``attention_mask`` (:func:`~lightning_mm.models.hf.parallelize.layout_kwargs`)."""
-        extra = {} if pixel_values is None else {"pixel_values": pixel_values}
+        lm = self.causal_lm
+        images = pixel_values is not None and pixel_values.shape[0] > 0
+        extra = {"pixel_values": pixel_values} if images else {}
         if position_ids is not None:
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-            extra.update(layout_kwargs(self.causal_lm, mask, position_ids))
+            extra.update(layout_kwargs(lm, mask, position_ids))
         elif attention_mask is not None:
             extra["attention_mask"] = attention_mask
+        if not images and getattr(lm.config, "vision_config", None) is not None:
+            # A batch (or this rank's share) without any image still runs the vision tower: its FSDP2 units'
+            # collectives need every rank, in the same order.
+            with vision_without_images(lm, ImageTokens.of(lm)):
+                return self.model(input_ids=input_ids, use_cache=False, **extra).logits
         return self.model(input_ids=input_ids, use_cache=False, **extra).logits
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        data = as_causal_lm_batch(batch, ImageTokens.of(self.causal_lm))
+        images = ImageTokens.of(self.causal_lm) if isinstance(batch, MultimodalBatch) else None
+        data = as_causal_lm_batch(batch, images)
         logits = self(
             data["input_ids"], data["attention_mask"], data.get("pixel_values"), position_ids=data["position_ids"]
         )

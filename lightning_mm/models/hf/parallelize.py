@@ -44,7 +44,14 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
-from lightning_mm.models.hf.images import ImageTokens, images_by_row, images_in_order, llava_inputs, llava_length
+from lightning_mm.models.hf.images import (
+    ImageTokens,
+    images_by_row,
+    images_in_order,
+    llava_inputs,
+    llava_length,
+    vision_without_images,
+)
 from lightning_mm.parallel.collectives import all_reduce_sum, at_least_float32, group_size
 from lightning_mm.parallel.pipeline import PipelineSplit, prune_units
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, PipelineSpec
@@ -433,7 +440,7 @@ class CausalLMStage(nn.Module):
     def __init__(self, lm: nn.Module, entry: nn.Module, first: bool, last: bool) -> None:
         super().__init__()
         self.lm = lm
-        self.images = ImageTokens.of(lm)
+        self.images = ImageTokens.of(lm) if getattr(lm.config, "vision_config", None) is not None else None
         # Not registered as a child (it is inside `lm` already); stage 0 calls it.
         self._entry = [entry]
         self.first, self.last = first, last
@@ -445,16 +452,26 @@ class CausalLMStage(nn.Module):
         position_ids: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
     ) -> Any:
-        """``pixel_values (R, per_row, 3, H, W)``: stage 0 of a vision-language model, each row's images
-        (:func:`~lightning_mm.models.hf.images.images_by_row`)."""
+        """``pixel_values``: stage 0 of a vision-language model, each row's images ``(R, per_row, 3, H, W)``
+        (:func:`~lightning_mm.models.hf.images.images_by_row`, what the pipeline feeds) or all ``(images, 3, H, W)`` in
+        the order of their image tokens."""
         # (not validated again: prepare_batch checked the batch, and torch's pipelining runs the stages once on
         # uninitialised inputs to infer shapes)
         packed = bool(_sample_starts(attention_mask, position_ids).any())
         kwargs: dict[str, Any] = {**layout_kwargs(self.lm, attention_mask, position_ids, packed), "use_cache": False}
         if self.first:
-            if pixel_values is not None:
-                kwargs["pixel_values"] = images_in_order(pixel_values, x, self.images)
-            hidden = self._entry[0](input_ids=x, **kwargs).last_hidden_state
+            pixels = pixel_values
+            if pixels is not None and pixels.dim() == 5:  # (R, per_row, 3, H, W): the pipeline padder's layout
+                pixels = images_in_order(pixels, x, self.images)
+            if pixels is not None and pixels.shape[0]:
+                kwargs["pixel_values"] = pixels
+            if self.images is not None and "pixel_values" not in kwargs:
+                # No image in this microbatch: the vision tower still runs where image features would enter, so that
+                # its FSDP2 units' collectives meet every rank's, in the same order.
+                with vision_without_images(self.lm, self.images):
+                    hidden = self._entry[0](input_ids=x, **kwargs).last_hidden_state
+            else:
+                hidden = self._entry[0](input_ids=x, **kwargs).last_hidden_state
         else:
             hidden = self.lm.get_decoder()(inputs_embeds=x, **kwargs).last_hidden_state
         if self.last:
@@ -476,7 +493,7 @@ def _fixed_length_padder(max_length: int | None, lm: nn.Module):
     """Batch -> causal LM batch padded on the right to one sequence length (pipelining needs fixed shapes):
     ``max_length``, or the first batch's length when None."""
     length: list[int] = [max_length] if max_length else []
-    images = ImageTokens.of(lm)
+    images = ImageTokens.of(lm) if getattr(lm.config, "vision_config", None) is not None else None
 
     def prepare(batch: Any) -> dict[str, torch.Tensor]:
         out = as_causal_lm_batch(batch, images)
@@ -502,12 +519,16 @@ def _fixed_length_padder(max_length: int | None, lm: nn.Module):
                 "attention_mask": F.pad(out["attention_mask"], (0, pad), value=0),
                 "targets": F.pad(out["targets"], (0, pad), value=IGNORE_INDEX),
             }
-        if out.get("pixel_values") is not None:
+        if images is not None:
             # Microbatches split every input by rows: each row carries its own images, as many slots as the fixed
-            # length can hold image tokens for (one shape for every step).
-            out["pixel_values"] = images_by_row(
-                out["pixel_values"], out["input_ids"], images, max(1, length[0] // images.count)
-            )
+            # length can hold image tokens for (one shape for every step, zeros in a batch without images: the
+            # stages' inputs never change).
+            slots = max(1, length[0] // images.count)
+            pixels = out.get("pixel_values")
+            if pixels is None:
+                dtype = batch.patches.dtype if isinstance(batch, MultimodalBatch) else torch.get_default_dtype()
+                pixels = torch.zeros(0, 3, images.size, images.size, dtype=dtype, device=out["input_ids"].device)
+            out["pixel_values"] = images_by_row(pixels, out["input_ids"], images, slots)
         return out
 
     return prepare
