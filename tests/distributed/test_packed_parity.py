@@ -1,6 +1,6 @@
 """Packed rows with attention inside each segment (``attention="segments"``), on a mesh == one process.
 
-The reference VLM trains on long packed rows (12 samples, up to 720 tokens and 480 patches per row) with the grouped
+The reference VLM trains on packed rows (8 samples, up to 320 tokens and 160 patches per row) with the grouped
 per-segment attention of :mod:`lightning_mm.models.attention`. Under fsdp2 (each rank half the rows), tp2 with
 sequence parallel (heads split, the layout shared by both ranks) and pp2 (the rows split into microbatches, each stage
 rebuilding the layouts from the segment ids it receives) the float64 losses and trained parameters equal one process
@@ -21,7 +21,7 @@ from lightning_mm.models import VLMModule
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import LossRecorder, full_copy, quiet_trainer, random_samples, relative_error, run_distributed
 
-STEPS, SEED, ROWS, PER_ROW = 3, 3, 4, 12
+STEPS, SEED, ROWS, PER_ROW = 3, 3, 4, 8
 LOSS_RTOL, PARAM_ATOL, UPDATE_RTOL = 1e-10, 1e-9, 1e-8
 
 # name -> (strategy kwargs, rows of the global batch this rank sees: "half" by data-parallel rank, or "all")
@@ -33,12 +33,12 @@ CONFIGS: dict[str, tuple[dict, str]] = {
 
 
 def _global_batches() -> list:
-    samples = random_samples(STEPS * ROWS * PER_ROW, seed=21, missing_every=5, tokens=(20, 60), patches=(10, 40))
+    samples = random_samples(STEPS * ROWS * PER_ROW, seed=21, missing_every=5, tokens=(10, 40), patches=(5, 20))
     batches = []
     for step in range(STEPS):
         chunk = samples[step * ROWS * PER_ROW : (step + 1) * ROWS * PER_ROW]
         rows = [chunk[i : i + PER_ROW] for i in range(0, len(chunk), PER_ROW)]
-        batch = collate_packed(rows, max_patches_per_row=480, max_tokens_per_row=720, pad_id=0)
+        batch = collate_packed(rows, max_patches_per_row=160, max_tokens_per_row=320, pad_id=0)
         batch.validate()
         batches.append(batch)
     return batches
@@ -80,7 +80,7 @@ def _reference() -> dict:
     return _fit(0, 1, None)
 
 
-# Time: one 2-rank launch fits all three meshes (3 float64 steps each on 4 rows of ~700 tokens); the reference runs in
+# Time: one 2-rank launch fits all three meshes (3 float64 steps each on 4 rows of ~200 tokens); the reference runs in
 # this process.
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_packed_rows_with_segment_attention_match_one_process(name):
