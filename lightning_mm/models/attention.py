@@ -58,8 +58,9 @@ GROUP_GROWTH = 1.5
 DENSE_SCORES_FLOOR = 2**19
 """``"auto"`` keeps ``"dense"`` for batches with fewer query-key pairs (``R * Lq * Lk``) than this: there a dense call
 costs less than the per-group gathers and calls of ``"segments"`` (CPU, attention alone, causal captions of 10-60
-tokens: 8 rows of 128 tokens, 2.9x less score work, still 1.8x slower grouped; 4 rows of 256, 0.95x; 4 rows of 512,
-2.5x faster grouped; ``attention_only`` in benchmarks/results/packing_throughput.json)."""
+tokens: 8 rows of 128 tokens, 2.9x less score work, still 2.5x slower grouped; 4 rows of 256, 1.5x slower; 4 rows of
+512, 1.7x faster grouped; ``attention_only`` in benchmarks/results/packing_throughput.json, whose runs vary by
+10-30 % at these sizes)."""
 SEGMENTS_MAX_WORK = 0.25
 """``"auto"`` takes ``"segments"`` when its exact score work is at most this fraction of the dense call's (grouping
 pads each segment by up to ``GROUP_GROWTH ** 2``)."""
