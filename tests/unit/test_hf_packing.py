@@ -208,6 +208,9 @@ def test_llava_trains_on_the_datamodule_batches_packed_as_one_per_row():
     )
     torch.testing.assert_close(logits, expected_logits, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=0)
+    loss32, _ = _loss_and_logits(module.float(), packed)  # float32 as trained: within 1e-5
+    torch.testing.assert_close(loss32.double(), expected_loss, rtol=1e-5, atol=0)
+    module.double()
     # Each sample reads its own image: the same captions with the images moved to other samples train otherwise.
     shuffled = collate_packed(
         [
