@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -142,8 +142,6 @@ class SegmentLayout:
         implementation: one of :data:`ATTENTION_IMPLEMENTATIONS`.
         slots: segment slots per row (ids are ``< slots``); ids outside ``[-1, slots)`` are treated as padding, so
             torch's pipelining can run a stage on uninitialised inputs to infer shapes. Default: the largest id + 1.
-        dense_mask: the ``(R, Lq, Lk)`` mask ``"dense"`` uses, when the caller already builds a softmax-safe one
-            (the reference model's masks keep its outputs at padding unchanged); built from the ids otherwise.
     """
 
     query_segment: torch.Tensor
@@ -151,7 +149,6 @@ class SegmentLayout:
     causal: bool
     implementation: str = "auto"
     slots: int | None = None
-    dense_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.slots is None:
@@ -212,8 +209,6 @@ class SegmentLayout:
         """``(R, Lq, Lk)`` bool block-diagonal mask, softmax-safe: with the same ids on both sides (self-attention) a
         padding query reads itself, otherwise a query without keys reads every key (its output is to be zeroed by
         :attr:`has_key`)."""
-        if self.dense_mask is not None:
-            return self.dense_mask
         allowed = segment_mask(self.query_segment, self.key_segment, self.causal)
         if self.key_segment is self.query_segment:
             return allowed | torch.eye(allowed.shape[1], dtype=torch.bool, device=allowed.device)

@@ -94,10 +94,16 @@ def packed_batches(dp_rank: int, dp: int) -> list[MultimodalBatch]:
     """Two global batches of 8 packed rows (``regroup: pack``'s layout: 3 samples of 3-13 tokens in a 40-token row,
     positions restarting at each, padding after), alternated over the steps; this data-parallel rank's rows."""
     samples = random_samples(2 * 3 * GLOBAL_BATCH, vocab_size=IMAGE_TOKEN, patches=(1, 2), seed=5)
+    return _packed_steps(samples, 4, dp_rank, dp)
+
+
+def _packed_steps(samples: list, max_patches_per_row: int, dp_rank: int, dp: int) -> list[MultimodalBatch]:
+    """``samples`` 3 per row into two global batches of 8 packed 40-token rows, alternated over the steps; this
+    data-parallel rank's rows."""
     rows = [samples[3 * row : 3 * row + 3] for row in range(2 * GLOBAL_BATCH)]
     per = GLOBAL_BATCH // dp
     batches = [
-        collate_packed(rows[index * GLOBAL_BATCH :][:GLOBAL_BATCH], 4, 40, pad_id=0).select_rows(
+        collate_packed(rows[index * GLOBAL_BATCH :][:GLOBAL_BATCH], max_patches_per_row, 40, pad_id=0).select_rows(
             slice(dp_rank * per, (dp_rank + 1) * per)
         )
         for index in range(2)
@@ -118,15 +124,7 @@ def packed_image_batches(dp_rank: int, dp: int, text_only_half: bool = False) ->
             else s
             for i, s in enumerate(samples)
         ]
-    rows = [samples[3 * row : 3 * row + 3] for row in range(2 * GLOBAL_BATCH)]
-    per = GLOBAL_BATCH // dp
-    batches = [
-        collate_packed(rows[index * GLOBAL_BATCH :][:GLOBAL_BATCH], 24, 40, pad_id=0).select_rows(
-            slice(dp_rank * per, (dp_rank + 1) * per)
-        )
-        for index in range(2)
-    ]
-    return [batches[step % 2] for step in range(STEPS)]
+    return _packed_steps(samples, 24, dp_rank, dp)
 
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}

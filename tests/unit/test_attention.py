@@ -53,16 +53,26 @@ CASES = {
 }
 
 
+def _case(self_attention: bool, rows: int, lengths: tuple[int, int], slots: int, seeds: tuple[int, int], **kw) -> tuple:
+    """``(query_segment, key_segment, q, k, v)``: segment ids of ``lengths`` (:func:`_segments`; the keys' own only
+    for cross-attention) and float64 ``q / k / v (rows, 2 heads, L, 8)``, drawn in that order from a generator
+    seeded 0."""
+    query_segment = _segments(rows, lengths[0], slots, seed=seeds[0], **kw)
+    key_segment = query_segment if self_attention else _segments(rows, lengths[1], slots, seed=seeds[1], **kw)
+    gen = torch.Generator().manual_seed(0)
+    sizes = (query_segment.shape[1], key_segment.shape[1], key_segment.shape[1])
+    q, k, v = (torch.randn(rows, 2, n, 8, generator=gen, dtype=torch.float64) for n in sizes)
+    return query_segment, key_segment, q, k, v
+
+
 @pytest.mark.parametrize("contiguous", [True, False], ids=["runs", "scattered"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("implementation", ["dense", "segments", "auto"])
 def test_each_implementation_equals_the_per_segment_reference(implementation, case, contiguous):
     causal, self_attention = CASES[case]
-    query_segment = _segments(3, 40, 5, seed=1, contiguous=contiguous)
-    key_segment = query_segment if self_attention else _segments(3, 33, 5, seed=2, contiguous=contiguous)
-    gen = torch.Generator().manual_seed(0)
-    lengths = (query_segment.shape[1], key_segment.shape[1], key_segment.shape[1])
-    q, k, v = (torch.randn(3, 2, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for n in lengths)
+    query_segment, key_segment, *qkv = _case(self_attention, 3, (40, 33), 5, (1, 2), contiguous=contiguous)
+    q, k, v = (t.requires_grad_() for t in qkv)
+    gen = torch.Generator().manual_seed(1)  # the output weights of the gradient check
     layout = SegmentLayout(query_segment, key_segment, causal, implementation)
     out, expected = layout.attend(q, k, v), _reference(q, k, v, query_segment, key_segment, causal)
     readable = layout.has_key  # (R, Lq) queries that read any key
@@ -80,11 +90,7 @@ def test_each_implementation_equals_the_per_segment_reference(implementation, ca
 @pytest.mark.parametrize("case", list(CASES))
 def test_flex_forward_equals_the_reference_and_refuses_backward_off_cuda(case):
     causal, self_attention = CASES[case]
-    query_segment = _segments(2, 24, 4, seed=3)
-    key_segment = query_segment if self_attention else _segments(2, 20, 4, seed=4)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 2, 24, 8, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(2, 2, key_segment.shape[1], 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    query_segment, key_segment, q, k, v = _case(self_attention, 2, (24, 20), 4, (3, 4))
     layout = SegmentLayout(query_segment, key_segment, causal, "flex")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex_attention warns that it materialises the scores
@@ -114,11 +120,7 @@ def test_varlen_flattens_segments_into_cu_seqlens(monkeypatch):
 
     monkeypatch.setattr(varlen, "varlen_attn", per_sequence)
     for causal, self_attention in CASES.values():
-        query_segment = _segments(3, 30, 4, seed=5)
-        key_segment = query_segment if self_attention else _segments(3, 26, 4, seed=6)
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(3, 2, 30, 8, generator=gen, dtype=torch.float64)
-        k, v = (torch.randn(3, 2, key_segment.shape[1], 8, generator=gen, dtype=torch.float64) for _ in range(2))
+        query_segment, key_segment, q, k, v = _case(self_attention, 3, (30, 26), 4, (5, 6))
         layout = SegmentLayout(query_segment, key_segment, causal, "varlen")
         assert layout.contiguous
         torch.testing.assert_close(
