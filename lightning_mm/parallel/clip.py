@@ -19,7 +19,7 @@ of different meshes or DTensors with plain tensors), which is why this exists; t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,15 +84,19 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     extra_groups: Sequence[dist.ProcessGroup] = (),
+    counted_elsewhere: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale the gradients of ``parameters`` in place so their global norm is at most ``max_norm``.
 
     Same contract as ``torch.nn.utils.clip_grad_norm_`` (returns the total norm before clipping), computed by
     :func:`total_grad_norm`, so DTensor gradients on any mix of meshes, plain tensors, and parameters split
     across ``extra_groups`` (pipeline stages) are clipped by one global coefficient on every rank.
+    ``counted_elsewhere``: parameters of ``parameters`` clipped but left out of the norm, because another rank of
+    ``extra_groups`` counts the same gradient (a weight tied across pipeline stages).
     """
     parameters = [param for param in parameters if param.grad is not None]
-    total = total_grad_norm(parameters, norm_type, extra_groups)
+    elsewhere = {id(param) for param in counted_elsewhere}
+    total = total_grad_norm([p for p in parameters if id(p) not in elsewhere], norm_type, extra_groups)
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for param in parameters:
         by_mesh.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param)

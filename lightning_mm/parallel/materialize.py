@@ -20,7 +20,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["allocate_on", "empty_where_meta", "fill_from_full", "has_meta_tensors", "holds_dtensors", "ties_kept"]
+__all__ = [
+    "allocate_on",
+    "empty_where_meta",
+    "fill_from_full",
+    "has_meta_tensors",
+    "holds_dtensors",
+    "shared_parameters",
+    "ties_kept",
+]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -64,17 +72,26 @@ def ties_kept(module: nn.Module) -> Generator[None, None, None]:
     again after the block: ``to_empty`` replaces a plain meta parameter once per place it is registered, so each
     place would get a tensor of its own and only one of them would be filled (DTensor parameters of FSDP2 / TP keep
     their object and their ties)."""
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for owner in module.modules():
-        for name, param in owner._parameters.items():
-            if param is not None:
-                places.setdefault(id(param), []).append((owner, name))
+    places = shared_parameters(module)
     yield
-    for shared in places.values():
-        first = getattr(shared[0][0], shared[0][1])
-        for owner, name in shared[1:]:
+    for shared in places:
+        first = getattr(shared[0][1], shared[0][2])
+        for _, owner, name in shared[1:]:
             if getattr(owner, name) is not first:
                 setattr(owner, name, first)
+
+
+def shared_parameters(module: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """The parameters registered in more than one place of ``module`` (tied weights): for each, its places
+    ``(parameter FQN, owning module, attribute name)`` in ``module.named_modules()`` order."""
+    places: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for name, param in owner._parameters.items():
+            if param is not None:
+                entry = places.setdefault(id(param), [])
+                if not any(other is owner and other_name == name for _, other, other_name in entry):
+                    entry.append((f"{prefix}.{name}" if prefix else name, owner, name))
+    return [shared for shared in places.values() if len(shared) > 1]
 
 
 @torch.no_grad()

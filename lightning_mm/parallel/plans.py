@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_mm.parallel.dims import check_divisible
+from lightning_mm.parallel.materialize import shared_parameters
 
 __all__ = [
     "STYLES",
@@ -276,4 +277,29 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[s
         raise ValueError(f"apply_tensor_parallel needs a 1-D tp mesh, got mesh dims {tp_mesh.mesh_dim_names}")
     styles = resolve_plan(model, plan)
     _check_divisibility(model, styles, tp_mesh.size())
-    return parallelize_module(model, tp_mesh, styles)
+    tied = shared_parameters(model)
+    parallelize_module(model, tp_mesh, styles)
+    _tie_again(tied)
+    return model
+
+
+def _tie_again(tied: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """A weight registered in several modules (tied input embedding and LM head) is one parameter again after
+    ``parallelize_module``, which distributes it once per module that holds it: kept when every place sharded it
+    the same way (the vocab-sharded embedding and LM head are both ``Shard(0)`` of one ``(V, H)`` table), refused
+    naming the places otherwise (one weight cannot be split two ways)."""
+    for places in tied:
+        params = [getattr(owner, name) for _, owner, name in places]
+        layouts = [
+            tuple(param.placements) if isinstance(param, DTensor) else "not sharded (a plain tensor)"
+            for param in params
+        ]
+        if any(layout != layouts[0] for layout in layouts[1:]):
+            described = ", ".join(f"{fqn}: {layout}" for (fqn, _, _), layout in zip(places, layouts, strict=True))
+            raise ValueError(
+                f"the tied weight {places[0][0]} (also {', '.join(fqn for fqn, _, _ in places[1:])}) is sharded "
+                f"differently by the TP plan ({described}); one weight needs one layout: give its modules styles that "
+                "shard it alike (the HF plan's vocab-sharded embedding and LM head), or untie it"
+            )
+        for _, owner, name in places[1:]:
+            setattr(owner, name, params[0])

@@ -19,9 +19,10 @@ device count and that the project accepts (:class:`~lightning_mm.parallel.dims.P
 models' checks): ``tp`` divides every head count (and the KV heads); ``tp`` and ``ep`` groups stay inside a node
 (:meth:`ParallelDims.check_nodes`); ``ep`` only for the reference VLM's experts, dividing dp_shard and the expert
 count, and (as ``HybridParallelStrategy`` today) not combined with pp, tp or dp_replicate; ``pp`` at most the
-number of layers (HF: decoder layers; reference VLM: its pipeline units, vision tower + decoder layers); no tp /
-pp for tied HF embeddings; the global batch splits into whole microbatches, at least ``pp`` of them under
-pipelining (1F1B). Each mesh is evaluated with and without activation checkpointing (AC).
+number of layers (HF: decoder layers; reference VLM: its pipeline units, vision tower + decoder layers; a tied HF
+embedding table is counted again on the last stage, which holds a copy); the global batch splits into whole
+microbatches, at least ``pp`` of them under pipelining (1F1B). Each mesh is evaluated with and without activation
+checkpointing (AC).
 
 **Memory** (bytes of live tensors, the quantity ``benchmarks/plan_validation.py`` measures on CPU):
 

@@ -89,8 +89,11 @@ class CausalLMShape(ModelShape):
                 ]
             params += [ParamShape(f"{b}.{name}", shape, dim, b, b) for name, shape, dim in entries]
         params.append(ParamShape("model.norm.weight", (h,), None, "model.norm", None))
+        head = ParamShape("lm_head.weight", (v, h), 0, "lm_head", None)
         if not self.tied_embeddings:
-            params.append(ParamShape("lm_head.weight", (v, h), 0, "lm_head", None))
+            params.append(head)
+        else:
+            self.tied_copies = {"model.embed_tokens": head}
         self.params = tuple(params)
         self.head_counts = {"num_attention_heads": heads, "num_key_value_heads": kv}
         self._layer_params = sum(p.numel for p in params if p.block == self.blocks[0]) if layers else 0

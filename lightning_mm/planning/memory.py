@@ -98,6 +98,7 @@ def stage_parameters(model: ModelShape, mesh: Mesh, units: set[str]) -> StagePar
     """The parameters of the pipeline units ``units`` as ``mesh`` shards them on one rank."""
     fsdp = mesh.dp > 1
     mine = [p for p in model.params if p.unit in units]
+    mine += [copy for unit, copy in model.tied_copies.items() if copy.unit in units and unit not in units]
     local = {p.name: _local_numel(p, mesh, fsdp) for p in mine}
     params = 4 * sum(n for n, _ in local.values())
     optimizer = 8 * sum(n for n, _ in local.values()) + 4 * len(mine)

@@ -47,6 +47,10 @@ class ModelShape:
     """Counts tensor parallel must divide (attention heads, key/value heads)."""
     num_experts: int = 0
     tied_embeddings: bool = False
+    tied_copies: Mapping[str, ParamShape] = {}
+    """``{unit holding a tied weight: its copy on another unit}`` (the LM head's copy of a tied embedding table):
+    counted on a pipeline stage that holds the copy's unit and not the weight's own (the strategy keeps a copy on
+    each end stage, gradients summed)."""
     statistics_pass: bool = False
     """The pipeline objective runs a forward-only pass of the schedule before the training pass."""
     vocab_size: int = 0
@@ -131,8 +135,6 @@ class ModelShape:
             )
             if unsupported:
                 reasons.append(f"expert_parallel with {', '.join(unsupported)} is not supported by the strategy yet")
-        if self.tied_embeddings and (mesh.tp > 1 or mesh.pp > 1):
-            reasons.append("tied input / output embeddings refuse tensor and pipeline parallel")
         return reasons
 
     @property

@@ -28,11 +28,13 @@ rule and its checkpoint loading (which rejects a model without DTensors, i.e. re
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -40,6 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mm import checkpoint as ckpt
@@ -291,6 +294,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         mp_policy = mixed_precision_policy(precision)
         plan = self._parallelize(self.lightning_module, mp_policy)
         self._materialize(self.lightning_module, plan)
+        if self._pipeline is not None and self._pipeline.tied is not None:
+            self._pipeline.tied.broadcast_()  # a tied weight's copies on the first and last stage start equal
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -299,7 +304,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             # (a schedule asking estimated_stepping_batches under max_epochs builds the train loader here, before
             # the checkpoint is restored: on_train_start builds it again with the restored position)
             self._train_loader_predates_restore = trainer.ckpt_path is not None and train_loader_built(trainer)
-        self.precision_plugin = with_mesh_clipping(self.precision_plugin, self.norm_groups)
+        self.precision_plugin = with_mesh_clipping(self.precision_plugin, self.norm_groups, self._counted_elsewhere)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -553,6 +558,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._pipeline is not None and self._pipeline.pp_size > 1:
             return (self._pipeline.pp_group,)
         return ()
+
+    def _counted_elsewhere(self) -> list[torch.Tensor]:
+        return pipeline_loop.counted_elsewhere(self._pipeline)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        closure = pipeline_loop.with_tied_gradients(self._pipeline, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ---------------------------------------------------------------------------------------------- checkpoints
 

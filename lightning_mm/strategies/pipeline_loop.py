@@ -39,8 +39,9 @@ from torch import nn
 
 from lightning_mm.parallel.pipeline import PipelineSplit, TimelineRecorder, build_schedule, idle_fraction, plot_timeline
 from lightning_mm.parallel.protocol import PipelineSpec
+from lightning_mm.parallel.tied import TiedAcrossStages
 
-__all__ = ["PipelineRunner", "training_step", "validation_step"]
+__all__ = ["PipelineRunner", "counted_elsewhere", "training_step", "validation_step", "with_tied_gradients"]
 
 
 class PipelineRunner:
@@ -56,7 +57,9 @@ class PipelineRunner:
         pp_group: dist.ProcessGroup,
         schedule: str,
         microbatches: int,
+        tied: TiedAcrossStages | None = None,
     ) -> None:
+        """``tied``: this rank's copies of weights another stage holds too (a tied embedding and LM head)."""
         from torch.distributed.pipelining import PipelineStage
 
         self.spec, self.split = spec, split
@@ -67,6 +70,7 @@ class PipelineRunner:
         self.device = device
         self.schedule_name = schedule
         self.microbatches = microbatches
+        self.tied = tied
         num_stages = split.num_stages
         self.has_first = 0 in self.stage_ids
         self.has_last = num_stages - 1 in self.stage_ids
@@ -282,3 +286,25 @@ def _rows(batch: Any) -> int:
     if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
         return max(batch[0].shape[0], 1)
     return 1
+
+
+def with_tied_gradients(runner: PipelineRunner | None, closure: Callable[[], Any]) -> Callable[[], Any]:
+    """The optimizer step's closure (the step's last ``training_step``) followed, for a weight tied across stages,
+    by summing its copies' gradients, so that clipping and the ``on_before_optimizer_step`` hooks see whole
+    gradients (:mod:`lightning_mm.parallel.tied`)."""
+    tied = runner.tied if runner is not None else None
+    if tied is None:
+        return closure
+
+    def run() -> Any:
+        result = closure()
+        tied.all_reduce_grads_()
+        return result
+
+    return run
+
+
+def counted_elsewhere(runner: PipelineRunner | None) -> list[torch.Tensor]:
+    """This rank's parameters whose gradient another stage's norm counts (a tied weight's later copies)."""
+    tied = runner.tied if runner is not None else None
+    return tied.counted_elsewhere if tied is not None else []

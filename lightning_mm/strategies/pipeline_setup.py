@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, transformer_blocks
+from lightning_mm.parallel.materialize import shared_parameters
 from lightning_mm.parallel.pipeline import (
     PipelineSplit,
     auto_split,
@@ -33,6 +34,7 @@ from lightning_mm.parallel.pipeline import (
 )
 from lightning_mm.parallel.plans import apply_tensor_parallel
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
+from lightning_mm.parallel.tied import tied_across_stages
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
 
 __all__ = ["build_pipeline", "check_pipeline_precision", "pipeline_spec", "pipeline_split"]
@@ -154,6 +156,7 @@ def build_pipeline(
     pp_mesh = dims.get_mesh("pp")
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = stage_ids_for_rank(pp_rank, dims.pp, virtual_stages)
+    tied = [[fqn for fqn, _, _ in places] for places in shared_parameters(module)]  # (before the split prunes them)
     stage_modules = spec.build_stages(stages, stage_ids)
     if dims.tp_enabled:
         # The plan, restricted to the modules this rank's stages still hold (patterns of pruned layers would
@@ -185,4 +188,20 @@ def build_pipeline(
         log.info(
             "pipeline rank %d holds stage(s) %s: %s", pp_rank, stage_ids, [stages.stage_units(s) for s in stage_ids]
         )
-    return PipelineRunner(spec, stages, stage_modules, stage_ids, device, pp_mesh.get_group(), schedule, microbatches)
+    world = dims.build_mesh(device.type).mesh
+    tied_copies = tied_across_stages(
+        tied,
+        module,
+        stages.units,
+        {unit: stages.owner(unit) for unit in stages.units},
+        {stage: stage % dims.pp for stage in range(num_stages)},  # the looped layout of stage_ids_for_rank
+        world.reshape(dims.pp, -1).T.tolist(),  # pp is the mesh's outermost axis
+        pp_rank,
+    )
+    if tied_copies is not None:
+        log.info(
+            "pipeline rank %d: %s (gradients summed with the other stage's before each step)", pp_rank, tied_copies
+        )
+    return PipelineRunner(
+        spec, stages, stage_modules, stage_ids, device, pp_mesh.get_group(), schedule, microbatches, tied_copies
+    )

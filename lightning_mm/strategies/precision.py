@@ -9,8 +9,9 @@ parameters beyond the DTensor meshes (the pipeline stages).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
@@ -32,10 +33,17 @@ class _MeshClipping:
     """Mixin for a Lightning ``Precision`` plugin: clip by the norm over the whole mesh."""
 
     norm_groups: Callable[[], tuple[dist.ProcessGroup, ...]] = tuple
+    counted_elsewhere: Callable[[], Sequence[torch.Tensor]] = tuple
+    """Parameters whose gradient another rank's norm counts (this rank's copy of a weight tied across stages)."""
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val, extra_groups=self.norm_groups())
+        clip_grad_norm_(
+            self.main_params(optimizer),
+            clip_val,
+            extra_groups=self.norm_groups(),
+            counted_elsewhere=self.counted_elsewhere(),
+        )
 
 
 class MeshPrecision(_MeshClipping, Precision):
@@ -87,10 +95,15 @@ _MESH_CLASSES: dict[type, type] = {
 }
 
 
-def with_mesh_clipping(plugin: Precision, norm_groups: Callable[[], tuple[dist.ProcessGroup, ...]]) -> Precision:
+def with_mesh_clipping(
+    plugin: Precision,
+    norm_groups: Callable[[], tuple[dist.ProcessGroup, ...]],
+    counted_elsewhere: Callable[[], Sequence[torch.Tensor]] = tuple,
+) -> Precision:
     """The mesh-clipping counterpart of the plugin Lightning chose for ``Trainer(precision=...)``, with its state."""
     if isinstance(plugin, _MeshClipping):
         plugin.norm_groups = norm_groups
+        plugin.counted_elsewhere = counted_elsewhere
         return plugin
     cls = _MESH_CLASSES.get(type(plugin))
     if cls is None:
@@ -101,4 +114,5 @@ def with_mesh_clipping(plugin: Precision, norm_groups: Callable[[], tuple[dist.P
     mesh_plugin = cls.__new__(cls)
     mesh_plugin.__dict__.update(plugin.__dict__)  # same precision, dtype, device and scaler as Lightning's choice
     mesh_plugin.norm_groups = norm_groups
+    mesh_plugin.counted_elsewhere = counted_elsewhere
     return mesh_plugin

@@ -63,6 +63,7 @@ MESHES = {
     "fsdp2_ac": (2, {"data_parallel_shard": 2, "activation_checkpointing": True}),  # decoder layers recomputed
     "pp2": (2, {"pipeline_parallel": 2, "data_parallel_shard": 1, "microbatches": 2}),
     "pp2_fsdp2": (4, {"pipeline_parallel": 2, "data_parallel_shard": 2, "microbatches": 2}),
+    "tp2_fsdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2}),
 }
 
 
@@ -135,6 +136,9 @@ MODELS = {
     "llama_packed": (LLAMA, packed_batches, {}),  # several samples per row, attention kept inside each
     "llava_packed": (LLAVA, packed_image_batches, {}),  # the DataModule's batches: patches, packed rows
     "qwen2_packed": ({**LLAMA, "model_type": "qwen2"}, packed_batches, {}),  # another decoder family, packed
+    # Qwen2-0.5B's layout: one (V, H) table is the input embedding and the LM head (vocab-sharded once under tp; a
+    # copy on each end stage under pp, gradients summed)
+    "qwen2_tied": ({**LLAMA, "model_type": "qwen2", "tie_word_embeddings": True}, llama_batches, {}),
     # rank 1's rows hold no image: its vision tower must still join the FSDP2 collectives (it hung before)
     "llava_text_rank": (LLAVA, functools.partial(packed_image_batches, text_only_half=True), {}),
 }
@@ -166,7 +170,7 @@ def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
     fit = trainer(world, strategy, precision)
     dp_rank, dp = strategy_dp(rank, world, mesh)
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(dp_rank, dp), batch_size=None))
-    return {"losses": fit.callbacks[0].losses, "params": {n: full_copy(p) for n, p in module.named_parameters()}}
+    return {"losses": fit.callbacks[0].losses, "params": _params(module)}
 
 
 def strategy_dp(rank: int, world: int, mesh: str) -> tuple[int, int]:
@@ -189,7 +193,12 @@ def reference(model: str, precision: str = "32-true") -> dict:
     module = HFCausalLMModule(config=config, learning_rate=LR, **extra)
     fit = trainer(1, "auto", precision)
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(0, 1), batch_size=None))
-    return {"losses": fit.callbacks[0].losses, "params": {n: full_copy(p) for n, p in module.named_parameters()}}
+    return {"losses": fit.callbacks[0].losses, "params": _params(module)}
+
+
+def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter under each of its names (a tied embedding and LM head: both, as pipeline stages hold them)."""
+    return {n: full_copy(p) for n, p in module.named_parameters(remove_duplicate=False)}
 
 
 def _losses(run: dict) -> torch.Tensor:
@@ -199,11 +208,12 @@ def _losses(run: dict) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model, mesh",
-    [("llama", mesh) for mesh in MESHES]
+    [("llama", mesh) for mesh in MESHES if mesh != "tp2_fsdp2"]
     + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
     + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")]
     + [(model, mesh) for model in ("llava_packed", "qwen2_packed") for mesh in ("fsdp2", "tp2", "pp2")]
-    + [("llava_text_rank", "fsdp2")],
+    + [("llava_text_rank", "fsdp2")]
+    + [("qwen2_tied", mesh) for mesh in ("tp2", "tp2_fsdp2", "pp2")],
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are
@@ -224,6 +234,8 @@ def test_hf_model_matches_one_process(model, mesh):
                 torch.testing.assert_close(value, merged[name], rtol=0, atol=0)
             merged[name] = value
     assert set(merged) == set(exact["params"])  # FQNs unchanged; the pipeline stages together hold every weight
+    if model.endswith("_tied"):  # the copies on the first and the last stage are still one weight
+        assert torch.equal(merged["model.lm_head.weight"], merged["model.model.embed_tokens.weight"])
     assert all(value.dtype == torch.float32 for value in merged.values())
     trained = [
         name for name in exact["params"] if not torch.equal(single["params"][name].double(), exact["params"][name])

@@ -102,12 +102,11 @@ def test_pipeline_of_an_unverified_family_is_refused():
         check({**DEGREES, "pp": 2})
 
 
-def test_tied_embeddings_are_refused_under_tp_and_pp():
+def test_tied_embeddings_are_accepted_on_every_axis():
+    # (tied weights under tp / pp: tests/distributed/test_hf_causal_lm.py, qwen2_tied)
     check = module("llama", tie_word_embeddings=True).parallel_plan().check_degrees
-    check({**DEGREES, "dp": 4})
-    for axis in ("tp", "pp"):
-        with pytest.raises(ValueError, match="tie_word_embeddings"):
-            check({**DEGREES, axis: 2})
+    for degrees in ({**DEGREES, "dp": 4}, {**DEGREES, "tp": 2}, {**DEGREES, "pp": 2}):
+        check(degrees)
 
 
 def test_lora_with_tensor_parallel_is_refused():

@@ -269,3 +269,17 @@ def test_load_peak_is_the_ranks_shards_plus_one_read_chunk(llama):
     sharded = evaluate(llama, Mesh(dp_shard=2), fp32(global_batch=2), Hardware(devices=2)).memory
     assert single["load"] == single["params"] + min(READ_CHUNK_BYTES, largest) <= single["peak"]
     assert sharded["params"] < sharded["load"] <= sharded["params"] + min(READ_CHUNK_BYTES, largest) < single["load"]
+
+
+def test_a_tied_table_is_counted_on_both_end_stages_under_pipeline_parallel():
+    from lightning_mm.planning.memory import stage_parameters
+
+    tied = CausalLMShape({**TINY_LLAMA, "tie_word_embeddings": True})
+    untied = CausalLMShape({**TINY_LLAMA, "tie_word_embeddings": False})
+    mesh = Mesh(pp=2)
+    first, last = {"model.embed_tokens", "model.layers.0"}, {"model.layers.1", "model.norm", "lm_head"}
+    for units in (first, last):  # each end stage holds the (V, H) table, as untied
+        assert stage_parameters(tied, mesh, units).params == stage_parameters(untied, mesh, units).params
+    whole = first | last  # one process: one table
+    table = 4 * 16 * 8
+    assert stage_parameters(tied, Mesh(), whole).params == stage_parameters(untied, Mesh(), whole).params - table

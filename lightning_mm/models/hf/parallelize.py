@@ -12,7 +12,9 @@ embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
   (``RowwiseParallel`` over the table's rows, output all-reduced, as torchtitan does) and the **LM head is
   vocab-sharded with gathered logits** (``ColwiseParallel(output_layouts=Replicate())``, HF's
   ``colwise_gather_output``): the two largest matrices are split over tp, and the loss sees whole logits (a
-  vocab-parallel loss would save the gather; not done yet).
+  vocab-parallel loss would save the gather; not done yet). A tied embedding and LM head (``tie_word_embeddings``)
+  stay one weight: both styles shard the one ``(V, H)`` table by rows (``Shard(0)``), and
+  :func:`~lightning_mm.parallel.plans.apply_tensor_parallel` registers the sharded table in both places.
 * **Pipeline parallel**: units ``embed_tokens, layers.0, ..., layers.{L-1}, norm, lm_head`` (FQNs relative to the
   LightningModule; the decoder's three modules named as its ``config.base_model_pp_plan`` declares them). A stage
   keeps its units and replaces the rest by pass-throughs (:func:`~lightning_mm.parallel.pipeline.prune_units`; FQNs
@@ -23,6 +25,8 @@ embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
   ``inputs_embeds`` (Gemma scales them, for instance), so it is enabled for the families verified stage by stage
   against the whole model (:data:`PIPELINE_FAMILIES`, ``tests/unit/test_hf_models.py``); for others use
   ``pipeline_split`` on your own LightningModule (:func:`~lightning_mm.parallel.pipeline.sequential_pipeline_spec`).
+  A tied embedding and LM head live on the first and the last stage: the copies start equal and their gradients
+  are summed before each step (:mod:`lightning_mm.parallel.tied`, Megatron's scheme).
 
 The loss is the causal-LM cross entropy summed over the rank's tokens and divided by the *global* token count over
 the data-parallel ranks (times their number), so data-parallel and pipelined runs equal one process on the global
@@ -204,10 +208,6 @@ def _stem_blocks(root: nn.Module, layout: DecoderLayout) -> list[nn.Module]:
         if lists:
             blocks.extend(max(lists, key=len))
     return blocks
-
-
-def _tied(lm: nn.Module) -> bool:
-    return lm.get_input_embeddings().weight is lm.get_output_embeddings().weight
 
 
 def _is_lora(root: nn.Module) -> bool:
@@ -560,12 +560,6 @@ def causal_lm_parallel_plan(
             raise ValueError(
                 f"tensor_parallel={degrees['tp']} with LoRA adapters is not supported yet (the adapters wrap the "
                 "projections the TP plan shards); use data parallel (FSDP2) or pipeline parallel with LoRA"
-            )
-        if (degrees["tp"] > 1 or degrees["pp"] > 1) and _tied(lm):
-            raise ValueError(
-                f"{type(lm).__name__} ties its input embedding and LM head (tie_word_embeddings=True): "
-                "tensor_parallel / pipeline_parallel > 1 would split one weight two ways; untie them "
-                "(config tie_word_embeddings=False) or use data parallel only"
             )
         known = layout.text_model_type in PIPELINE_FAMILIES and (
             not layout.stem or layout.model_type in PIPELINE_VISION_LANGUAGE
