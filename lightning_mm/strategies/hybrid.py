@@ -9,20 +9,20 @@ Thin glue over :mod:`lightning_mm.parallel` (which has no Lightning imports):
 * ``setup``: after the LightningModule's ``configure_model`` (where it may build its layers, on the meta device
   too) and unless that already parallelised it (it holds DTensors, as with Lightning's ``ModelParallelStrategy``),
   asks the module how it is parallelized (its ``parallel_plan()``,
-  :mod:`lightning_mm.parallel.protocol`; the generic rules when it has none) and applies pipeline split -> tensor
-  parallel (+ EP) -> activation checkpointing -> FSDP2 / HSDP, the torchtitan order. The strategy knows no model.
+  :mod:`lightning_mm.parallel.protocol`; when it has none, the plan of the Hugging Face model it holds, else the
+  generic rules) and applies pipeline split -> tensor parallel (+ EP) -> activation checkpointing -> FSDP2 / HSDP,
+  the torchtitan order.
 * Pipeline parallel: the model is cut into this rank's stages, each parallelised in the same order
   (:mod:`lightning_mm.strategies.pipeline_setup`), and ``torch.distributed.pipelining`` schedules run inside
   ``training_step`` / ``validation_step`` (:mod:`lightning_mm.strategies.pipeline_loop`).
-* Gradient clipping by norm counts every shard once, through a Precision plugin subclass
-  (:mod:`lightning_mm.strategies.precision`).
+* Gradient clipping by norm counts every shard once (:mod:`lightning_mm.strategies.precision`).
 * Checkpoints are DCP directories keyed by unsharded FQNs with the topology beside them
   (:mod:`lightning_mm.checkpoint`), so they resume on another mesh and consolidate into one file; the save / load
   hooks delegate to :mod:`lightning_mm.strategies.checkpointing`.
 
-It subclasses Lightning's ``ModelParallelStrategy`` for the process launch, device handling, precision plugins
-and the sharded ``state_dict`` collection, and replaces its fixed 2-D mesh, its "configure_model is required"
-rule and its checkpoint loading (which rejects a model without DTensors, i.e. resuming into one process).
+It subclasses Lightning's ``ModelParallelStrategy`` (process launch, devices, precision plugins, sharded
+``state_dict``) and replaces its fixed 2-D mesh, its "configure_model is required" rule and its checkpoint loading
+(which rejects a model without DTensors, i.e. resuming into one process).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -58,7 +57,7 @@ from lightning_mm.parallel.materialize import empty_where_meta, has_meta_tensors
 from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions
 from lightning_mm.parallel.plans import apply_tensor_parallel
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
-from lightning_mm.strategies import checkpointing, pipeline_loop
+from lightning_mm.strategies import checkpointing, pipeline_loop, pipeline_setup
 from lightning_mm.strategies._compat import (
     materialize_distributed_module,
     optimizers_to_device,
@@ -304,7 +303,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             # (a schedule asking estimated_stepping_batches under max_epochs builds the train loader here, before
             # the checkpoint is restored: on_train_start builds it again with the restored position)
             self._train_loader_predates_restore = trainer.ckpt_path is not None and train_loader_built(trainer)
-        self.precision_plugin = with_mesh_clipping(self.precision_plugin, self.norm_groups, self._counted_elsewhere)
+        self.precision_plugin = with_mesh_clipping(
+            self.precision_plugin, self.norm_groups, lambda: pipeline_loop.counted_elsewhere(self._pipeline)
+        )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -325,7 +326,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                     f"lightning_mm.parallel.protocol.ParallelPlan, got {type(plan).__name__}"
                 )
         else:
-            plan = ParallelPlan()
+            plan = pipeline_setup.held_model_plan(module, self._microbatches()) or ParallelPlan()
         if self.tp_plan is not None:
             if self.sequence_parallel:
                 raise ValueError(
@@ -558,9 +559,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._pipeline is not None and self._pipeline.pp_size > 1:
             return (self._pipeline.pp_group,)
         return ()
-
-    def _counted_elsewhere(self) -> list[torch.Tensor]:
-        return pipeline_loop.counted_elsewhere(self._pipeline)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

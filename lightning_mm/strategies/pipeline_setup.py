@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -37,7 +38,7 @@ from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
 from lightning_mm.parallel.tied import tied_across_stages
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
 
-__all__ = ["build_pipeline", "check_pipeline_precision", "pipeline_spec", "pipeline_split"]
+__all__ = ["build_pipeline", "check_pipeline_precision", "held_model_plan", "pipeline_spec", "pipeline_split"]
 
 # (the strategy's logger: the stage layout is reported under the name it always had)
 log = logging.getLogger("lightning_mm.strategies.hybrid")
@@ -61,6 +62,17 @@ def _default_pipeline_target(batch: Any) -> Any:
         f"cannot tell the pipeline's target from a batch of type {type(batch).__name__}; define "
         "pipeline_target(batch) on the LightningModule"
     )
+
+
+def held_model_plan(module: nn.Module, microbatches: int) -> ParallelPlan | None:
+    """For a module that declares no plan: the plan of the Hugging Face causal LM it holds
+    (:func:`lightning_mm.models.hf.held.held_model_plan`), or None. Looked for only once ``transformers`` is
+    imported (a module holding one has imported it), so the core package never imports it."""
+    if "transformers" not in sys.modules:
+        return None
+    from lightning_mm.models.hf.held import held_model_plan as plan_of_held_model
+
+    return plan_of_held_model(module, microbatches=microbatches)
 
 
 def pipeline_spec(

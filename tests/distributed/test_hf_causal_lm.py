@@ -139,6 +139,8 @@ MODELS = {
     # Qwen2-0.5B's layout: one (V, H) table is the input embedding and the LM head (vocab-sharded once under tp; a
     # copy on each end stage under pp, gradients summed)
     "qwen2_tied": ({**LLAMA, "model_type": "qwen2", "tie_word_embeddings": True}, llama_batches, {}),
+    # a user's LightningModule holding an LlamaForCausalLM, no plan and no split given (UserCausalLM)
+    "user_llama": (LLAMA, llama_batches, {}),
     # rank 1's rows hold no image: its vision tower must still join the FSDP2 collectives (it hung before)
     "llava_text_rank": (LLAVA, functools.partial(packed_image_batches, text_only_half=True), {}),
 }
@@ -162,10 +164,38 @@ def trainer(devices: int, strategy, precision: str = "32-true", **kwargs) -> L.T
     )
 
 
+class UserCausalLM(L.LightningModule):
+    """A LightningModule written the usual way around an HF model, with no parallel plan: the strategy takes the held
+    model's (``lightning_mm.models.hf.held``): its ``base_model_tp_plan`` under tp, its pipeline units and the
+    causal-LM loss under pp."""
+
+    def __init__(self, config: dict, learning_rate: float) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        settings = dict(config)
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings))
+        self.learning_rate = learning_rate
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        ).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
+
+
+def _module(model: str, config: dict, extra: dict) -> L.LightningModule:
+    if model.startswith("user_"):
+        return UserCausalLM(config, LR)
+    return HFCausalLMModule(config=config, learning_rate=LR, **extra)
+
+
 def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
     config, batches, extra = MODELS[model]
     L.seed_everything(SEED, verbose=False)
-    module = HFCausalLMModule(config=config, learning_rate=LR, **extra)
+    module = _module(model, config, extra)
     strategy = HybridParallelStrategy(**MESHES[mesh][1])
     fit = trainer(world, strategy, precision)
     dp_rank, dp = strategy_dp(rank, world, mesh)
@@ -190,7 +220,7 @@ def parallel(model: str, mesh: str, precision: str = "32-true") -> list[dict]:
 def reference(model: str, precision: str = "32-true") -> dict:
     config, batches, extra = MODELS[model]
     L.seed_everything(SEED, verbose=False)
-    module = HFCausalLMModule(config=config, learning_rate=LR, **extra)
+    module = _module(model, config, extra)
     fit = trainer(1, "auto", precision)
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(0, 1), batch_size=None))
     return {"losses": fit.callbacks[0].losses, "params": _params(module)}
@@ -213,7 +243,8 @@ def _losses(run: dict) -> torch.Tensor:
     + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")]
     + [(model, mesh) for model in ("llava_packed", "qwen2_packed") for mesh in ("fsdp2", "tp2", "pp2")]
     + [("llava_text_rank", "fsdp2")]
-    + [("qwen2_tied", mesh) for mesh in ("tp2", "tp2_fsdp2", "pp2")],
+    + [("qwen2_tied", mesh) for mesh in ("tp2", "tp2_fsdp2", "pp2")]
+    + [("user_llama", mesh) for mesh in ("tp2", "pp2")],
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are

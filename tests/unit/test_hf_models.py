@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_mm.batch import IGNORE_INDEX
 from lightning_mm.models.hf import HFCausalLMModule, as_causal_lm_batch, decoder_layout
+from lightning_mm.models.hf.held import held_model_plan
 from lightning_mm.parallel.pipeline import explicit_split
 from lightning_mm.parallel.plans import resolve_plan
 from tests.helpers import random_samples
@@ -165,3 +167,41 @@ def test_construction_errors(tmp_path):
         HFCausalLMModule(pretrained=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="exactly one"):
         HFCausalLMModule()
+
+
+class _Holder(L.LightningModule):
+    """A user's module: HF models as attributes, no parallel_plan."""
+
+    def __init__(self, *models: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = models[0]
+        if len(models) > 1:
+            self.teacher = models[1]
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TEXT))
+
+
+def test_a_user_module_gets_the_plan_of_the_hf_model_it_holds(caplog):
+    # (the plans at work, against one process: tests/distributed/test_hf_causal_lm.py, user_llama tp2 / pp2)
+    torch.manual_seed(0)
+    holder = _Holder(_llama())
+    with caplog.at_level("INFO", logger="lightning_mm.models.hf.held"):
+        plan = held_model_plan(holder, microbatches=2)
+    assert "LlamaForCausalLM at 'model'" in caplog.text and "global batch's token count" in caplog.text
+    styles = resolve_plan(holder, plan.tp_plan)
+    assert isinstance(styles["model.model.layers.0.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(styles["model.model.layers.1.mlp.down_proj"], RowwiseParallel)
+    assert [id(b) for b in plan.blocks] == [id(layer) for layer in holder.model.model.layers]
+    assert plan.pipeline.units[0] == "model.model.embed_tokens" and plan.pipeline.units[-1] == "model.lm_head"
+
+    holder.pipeline_loss = lambda output, target: output.sum()  # the module's own loss: its own chain and split
+    assert held_model_plan(holder).pipeline is None
+    assert held_model_plan(_Holder(torch.nn.Linear(2, 2))) is None  # no HF model: the generic rules
+    two = held_model_plan(_Holder(_llama(), _llama()))
+    two.check_degrees({**DEGREES, "dp": 2})  # data parallel: the generic units, nothing to choose
+    with pytest.raises(ValueError, match=r"several Hugging Face models \('model', 'teacher'\).*tp_plan"):
+        two.check_degrees({**DEGREES, "tp": 2})

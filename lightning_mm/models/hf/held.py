@@ -1,0 +1,88 @@
+"""The parallel plan of a Hugging Face model held by a user's LightningModule that declares none.
+
+A LightningModule written the usual way (``self.model = LlamaForCausalLM(config)``, its ``training_step`` calling
+``self.model(input_ids=..., labels=...)``) gets what :class:`~lightning_mm.models.hf.HFCausalLMModule` gets, from the
+model it holds (:func:`held_model_plan`):
+
+* the FSDP2 / activation-checkpointing units (the decoder layers, and a vision tower's layers);
+* tensor parallel from the model's own ``base_model_tp_plan``, resolved relative to where the model sits in the
+  LightningModule, plus the vocab-sharded embedding and LM head
+  (:func:`~lightning_mm.models.hf.parallelize.hf_tp_plan`);
+* for ``pipeline_parallel > 1``, when the module defines no ``pipeline_loss`` of its own: the causal LM's pipeline
+  units, split by their costs unless ``pipeline_split`` names the starts, with the causal-LM loss (cross entropy
+  summed over the microbatch's tokens, divided by the global batch's token count), which is what
+  ``self.model(..., labels=...).loss`` on the whole batch computes. Batches are Hugging Face mappings
+  (``input_ids`` with optional ``attention_mask`` / ``labels``) or the DataModule's
+  (:func:`~lightning_mm.models.hf.parallelize.as_causal_lm_batch`).
+
+Only a module holding one such model is planned. One holding several (a teacher and a student), or a model that is
+not a decoder-only causal LM, trains under data parallel with the generic FSDP units; tensor and pipeline parallel
+are refused, naming the models or what the adapter missed (which to shard how is the user's choice: ``tp_plan=``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from lightning_mm.models.hf.parallelize import causal_lm_parallel_plan, decoder_layout
+from lightning_mm.parallel.protocol import ParallelPlan
+
+__all__ = ["held_model_plan", "held_models"]
+
+log = logging.getLogger(__name__)
+
+
+def held_models(root: nn.Module) -> dict[str, PreTrainedModel]:
+    """``{FQN: model}`` of the outermost ``transformers.PreTrainedModel`` instances inside ``root``."""
+    found: dict[str, PreTrainedModel] = {}
+    for name, module in root.named_modules():
+        if isinstance(module, PreTrainedModel) and not any(name.startswith(f"{outer}.") for outer in found):
+            found[name] = module
+    return found
+
+
+def held_model_plan(root: nn.Module, *, microbatches: int = 1) -> ParallelPlan | None:
+    """The plan of the one Hugging Face causal LM inside ``root`` (a LightningModule with no ``parallel_plan``), or
+    None when it holds none. Raises ``ValueError`` for several, or for one whose decoder lightning-mm does not know
+    (naming what to pass instead)."""
+    found = held_models(root)
+    if not found:
+        return None
+    if len(found) > 1:
+        return _refused(
+            f"{type(root).__name__} holds several Hugging Face models ({', '.join(map(repr, found))}) and "
+            "lightning-mm plans one; pass tp_plan={'fqn.pattern': 'colwise' | 'rowwise', ...} (patterns relative to "
+            "the LightningModule), or define parallel_plan() on the module"
+        )
+    ((name, model),) = found.items()  # (inside a peft wrapper: the model it wraps)
+    try:
+        decoder_layout(root, model)
+    except ValueError as error:  # not a decoder-only causal LM: data parallel still needs no plan
+        return _refused(str(error))
+    plan = causal_lm_parallel_plan(root, model, microbatches=microbatches)
+    own_loss = callable(getattr(root, "pipeline_loss", None))
+    if own_loss:
+        plan.pipeline = None  # the module's pipeline_loss and pipeline_split cut it as any chain
+    log.info(
+        "%s declares no parallel plan: using the one of the %s at %r (decoder layers as FSDP units, "
+        "%s.base_model_tp_plan for tensor parallel; pipeline loss: %s)",
+        type(root).__name__,
+        type(model).__name__,
+        name,
+        type(model.config).__name__,
+        "the module's pipeline_loss" if own_loss else "causal-LM cross entropy over the global batch's token count",
+    )
+    return plan
+
+
+def _refused(reason: str) -> ParallelPlan:
+    """A plan for data parallel only (the generic FSDP units): tensor / pipeline parallel raise ``reason``."""
+
+    def check_degrees(degrees) -> None:
+        if degrees["tp"] > 1 or degrees["pp"] > 1:
+            raise ValueError(f"tensor_parallel={degrees['tp']}, pipeline_parallel={degrees['pp']}: {reason}")
+
+    return ParallelPlan(check_degrees=check_degrees)
