@@ -111,14 +111,37 @@ def test_tied_embeddings_are_accepted_on_every_axis():
         check(degrees)
 
 
-def test_lora_with_tensor_parallel_is_refused():
+def test_lora_layers_shard_consistently_with_their_base_layer_under_tensor_parallel():
+    # (against one process: tests/distributed/test_hf_causal_lm.py, llama_lora tp2 / tp2_fsdp2)
+    from lightning_mm.parallel.plans import ReplicateParallel
+
     torch.manual_seed(0)
-    lora = HFCausalLMModule(config={"model_type": "llama", **TEXT}, lora={"r": 2, "target_modules": ["q_proj"]})
+    lora = HFCausalLMModule(
+        config={"model_type": "llama", **TEXT}, lora={"r": 2, "target_modules": ["q_proj", "o_proj"]}
+    )
     plan = lora.parallel_plan()
     assert decoder_layout(lora, lora.causal_lm).layers[0] == "model.base_model.model.model.layers.0"
-    plan.check_degrees({**DEGREES, "pp": 2})
-    with pytest.raises(ValueError, match=r"tensor_parallel=2 with LoRA"):
-        plan.check_degrees({**DEGREES, "tp": 2})
+    plan.check_degrees({**DEGREES, "pp": 2, "tp": 2})
+    styles = resolve_plan(lora, plan.tp_plan)
+    attention = "model.base_model.model.model.layers.1.self_attn"
+    expected = {  # colwise base: A replicated, B colwise; rowwise base: A rowwise, B replicated
+        "q_proj.base_layer": ColwiseParallel,
+        "q_proj.lora_A.default": ReplicateParallel,
+        "q_proj.lora_B.default": ColwiseParallel,
+        "k_proj": ColwiseParallel,  # no adapter: as before
+        "o_proj.base_layer": RowwiseParallel,
+        "o_proj.lora_A.default": RowwiseParallel,
+        "o_proj.lora_B.default": ReplicateParallel,
+    }
+    for name, style in expected.items():
+        assert type(styles[f"{attention}.{name}"]) is style, name
+    assert f"{attention}.q_proj" not in styles
+
+    dropped = HFCausalLMModule(
+        config={"model_type": "llama", **TEXT}, lora={"r": 2, "target_modules": ["q_proj"], "lora_dropout": 0.1}
+    )
+    with pytest.raises(ValueError, match=r"lora_dropout > 0 on .*q_proj under tensor_parallel"):
+        dict(dropped.parallel_plan().tp_plan)
 
 
 def test_kv_heads_must_divide_over_tensor_parallel():

@@ -35,6 +35,7 @@ batch (:class:`CausalLMObjective`; the module's ``training_step`` uses the same 
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -210,16 +211,57 @@ def _stem_blocks(root: nn.Module, layout: DecoderLayout) -> list[nn.Module]:
     return blocks
 
 
-def _is_lora(root: nn.Module) -> bool:
-    return any(hasattr(module, "lora_A") for module in root.modules())
-
-
 # ------------------------------------------------------------------------------------------------------ tensor parallel
 
 
-def hf_tp_plan(layout: DecoderLayout, lm: nn.Module) -> dict[str, str | ParallelStyle]:
-    """The model's ``base_model_tp_plan`` with its patterns resolved relative to the LightningModule, plus the
-    vocab-sharded embedding and LM head (module docstring)."""
+def _lora_wrapper(module: nn.Module) -> bool:
+    """A peft LoRA layer: its ``base_layer`` plus ``lora_A`` / ``lora_B`` (``ModuleDict`` per adapter)."""
+    return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+
+
+def _with_lora_adapters(root: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` with every colwise / rowwise entry that matches a LoRA layer split into its parts, sharded
+    consistently with the base layer (Megatron's LoRA layout):
+
+    * colwise base (output features split): ``lora_A`` replicated, ``lora_B`` colwise, so ``B(A(x))`` comes out split
+      like the base's output; the gradient into ``B``'s input is summed over tp by ``B``'s colwise input, so every
+      rank's ``A`` gets the same, whole gradient;
+    * rowwise base (input features split): ``lora_A`` rowwise (its output all-reduced), ``lora_B`` replicated, so
+      ``B(A(x))`` is whole like the base's output.
+
+    Layers without adapters keep their entry (patterns resolved to FQNs where a pattern matches both kinds).
+    Replicated adapters are ``Replicate`` DTensors on the tp mesh, as FSDP2 over a tp-sharded module expects.
+    """
+    modules = dict(root.named_modules())
+    out: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        matched = [fqn for fqn in modules if fqn and fnmatch.fnmatchcase(fqn, pattern)]
+        wrapped = [fqn for fqn in matched if _lora_wrapper(modules[fqn])]
+        kind = style if isinstance(style, str) else None
+        if not wrapped or kind not in ("colwise", "rowwise"):
+            out[pattern] = style
+            continue
+        for fqn in matched:
+            if not _lora_wrapper(modules[fqn]):
+                out[fqn] = style
+                continue
+            out[f"{fqn}.base_layer"] = kind
+            dropout = modules[fqn].lora_dropout
+            if kind == "colwise" and any(not isinstance(d, nn.Identity) for d in dropout.values()):
+                raise ValueError(
+                    f"LoRA with lora_dropout > 0 on {fqn} under tensor_parallel > 1: the tp ranks would drop "
+                    "different elements of the same input; use lora_dropout=0 (peft's default) with tensor parallel"
+                )
+            for adapter in modules[fqn].lora_A:
+                out[f"{fqn}.lora_A.{adapter}"] = "replicate" if kind == "colwise" else "rowwise"
+                out[f"{fqn}.lora_B.{adapter}"] = "colwise" if kind == "colwise" else "replicate"
+    return out
+
+
+def hf_tp_plan(layout: DecoderLayout, lm: nn.Module, root: nn.Module | None = None) -> dict[str, str | ParallelStyle]:
+    """The model's ``base_model_tp_plan`` with its patterns resolved relative to the LightningModule ``root``, plus
+    the vocab-sharded embedding and LM head (module docstring), LoRA layers split into base and adapters
+    (:func:`_with_lora_adapters`)."""
     config = lm.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     declared = getattr(text_config, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
@@ -238,6 +280,8 @@ def hf_tp_plan(layout: DecoderLayout, lm: nn.Module) -> dict[str, str | Parallel
                 f"equivalent (known: {sorted(_HF_STYLES)}); pass tp_plan=... by hand for this model"
             )
         plan[f"{layout.decoder}.{pattern}"] = factory() if callable(factory) else factory
+    if root is not None:
+        plan = _with_lora_adapters(root, plan)
     plan[layout.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     plan[layout.head] = ColwiseParallel(output_layouts=Replicate())
     log.info(
@@ -553,14 +597,8 @@ def causal_lm_parallel_plan(
             "sequence_parallel=False"
         )
     blocks = _stem_blocks(root, layout) + [root.get_submodule(name) for name in layout.layers]
-    lora = _is_lora(root)
 
     def check_degrees(degrees: Mapping[str, int]) -> None:
-        if degrees["tp"] > 1 and lora:
-            raise ValueError(
-                f"tensor_parallel={degrees['tp']} with LoRA adapters is not supported yet (the adapters wrap the "
-                "projections the TP plan shards); use data parallel (FSDP2) or pipeline parallel with LoRA"
-            )
         known = layout.text_model_type in PIPELINE_FAMILIES and (
             not layout.stem or layout.model_type in PIPELINE_VISION_LANGUAGE
         )
@@ -582,7 +620,7 @@ def causal_lm_parallel_plan(
         return [CausalLMStage(lm, entry, first=stage == 0, last=stage == split.num_stages - 1)]
 
     def tp_plan() -> dict[str, str | ParallelStyle]:
-        return hf_tp_plan(layout, lm)
+        return hf_tp_plan(layout, lm, root)
 
     pipeline = PipelineSpec(
         units=layout.units,
