@@ -102,12 +102,14 @@ RUNS: dict[int, list[tuple[str, str, dict[str, Any]]]] = {
         ("vlm", "ep2", {"data_parallel_shard": 2, "expert_parallel": 2}),
         ("llama", "fsdp2", {"data_parallel_shard": 2}),
         ("llama", "tp2", {"tensor_parallel": 2, "data_parallel_shard": 1}),
+        ("llama", "tp2+sp", {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}),
         ("llama", "pp2", {"pipeline_parallel": 2, "data_parallel_shard": 1, "microbatches": 2}),
     ],
     4: [
         ("vlm", "hsdp2x2", {"data_parallel_replicate": 2, "data_parallel_shard": 2}),
         ("vlm", "fsdp4xep2", {"data_parallel_shard": 4, "expert_parallel": 2}),
         ("llama", "fsdp2xtp2", {"data_parallel_shard": 2, "tensor_parallel": 2}),
+        ("llama", "fsdp2xtp2+sp", {"data_parallel_shard": 2, "tensor_parallel": 2, "sequence_parallel": True}),
         ("llama", "pp2xfsdp2", {"pipeline_parallel": 2, "data_parallel_shard": 2, "microbatches": 2}),
     ],
 }
@@ -117,7 +119,8 @@ def mesh_of(world: int, kwargs: dict[str, Any]) -> Mesh:
     pp, tp = kwargs.get("pipeline_parallel", 1), kwargs.get("tensor_parallel", 1)
     replicate = kwargs.get("data_parallel_replicate", 1)
     shard = kwargs.get("data_parallel_shard", world // (pp * tp * replicate))
-    return Mesh(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, ep=kwargs.get("expert_parallel", 1))
+    sp = bool(kwargs.get("sequence_parallel", False))
+    return Mesh(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, ep=kwargs.get("expert_parallel", 1), sp=sp)
 
 
 # ------------------------------------------------------------------------------------------------ measurement

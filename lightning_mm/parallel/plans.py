@@ -57,6 +57,7 @@ __all__ = [
     "ReplicateParallel",
     "apply_tensor_parallel",
     "gather_first_input",
+    "is_sequence_type",
     "resolve_plan",
 ]
 
@@ -180,6 +181,12 @@ def gather_first_input(arity: int) -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
 
 
+def is_sequence_type(module: nn.Module) -> bool:
+    """Modules :class:`SequenceParallel` runs on sequence shards: torch's norms and dropout, and the norms of model
+    libraries (``LlamaRMSNorm``, ``Qwen2RMSNorm`` ...: elementwise over the hidden dim, a replicated weight)."""
+    return isinstance(module, _SEQUENCE_TYPES) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
 def _describe(style: str | ParallelStyle) -> str:
     return style if isinstance(style, str) else repr(style)
 
@@ -194,8 +201,15 @@ def _check_module_type(pattern: str, fqn: str, style: str | ParallelStyle, modul
             f"TP plan pattern {pattern!r} applies {_describe(style)} to {fqn!r}, a {type(module).__name__}; "
             f"{_describe(style)} supports only nn.Linear"
         )
-    if (style == "sequence" or isinstance(style, SequenceParallel)) and not isinstance(module, _SEQUENCE_TYPES):
-        names = ", ".join(t.__name__ for t in _SEQUENCE_TYPES)
+    # (a SequenceParallel object may also hold a Linear: a replicated weight applied to sequence shards, e.g. the
+    # LoRA B of a row-parallel layer under sequence parallel)
+    linear_on_shards = isinstance(style, SequenceParallel) and isinstance(module, nn.Linear)
+    if (
+        (style == "sequence" or isinstance(style, SequenceParallel))
+        and not is_sequence_type(module)
+        and not linear_on_shards
+    ):
+        names = ", ".join(t.__name__ for t in _SEQUENCE_TYPES) + " and classes named *RMSNorm / *LayerNorm"
         raise ValueError(
             f"TP plan pattern {pattern!r} applies {_describe(style)} to {fqn!r}, a {type(module).__name__}; "
             f"'sequence' (SequenceParallel) supports only {names}"
@@ -278,8 +292,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[s
     styles = resolve_plan(model, plan)
     _check_divisibility(model, styles, tp_mesh.size())
     tied = shared_parameters(model)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, styles)
     _tie_again(tied)
+    # torch's SequenceParallel registers its replicated parameters as new nn.Parameters that require grad, so a
+    # frozen norm (LoRA's base model) would train; every style's parameters keep the flag they had.
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     return model
 
 

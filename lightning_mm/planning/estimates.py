@@ -64,7 +64,9 @@ def candidate_meshes(
             for dp_replicate in _divisors(n // (pp * tp)):
                 dp_shard = n // (pp * tp * dp_replicate)
                 for ep in _divisors(dp_shard) if model.num_experts else [1]:
-                    mesh = Mesh(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep)
+                    # sequence parallel wherever the strategy has it: the memory of TP, the same bytes on the wire
+                    sp = tp > 1 and pp == 1 and model.supports_sequence_parallel
+                    mesh = Mesh(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, sp=sp)
                     reasons = model.refusals(mesh) + _mesh_refusals(mesh, workload, hardware)
                     (refused.append((mesh, reasons)) if reasons else accepted.append(mesh))
     return accepted, refused
@@ -170,6 +172,7 @@ def evaluate(
     model: ModelShape, mesh: Mesh, workload: Workload, hardware: Hardware, activation_checkpointing: bool = False
 ) -> Candidate:
     """Memory, bytes per axis and step time of ``model`` on ``mesh`` (see the package docstring)."""
+    model = model.on(mesh)
     a = workload.act_bytes
     schedule = step_schedule(mesh, workload, hardware)
     stages = model.pipeline_split(schedule.geo, mesh.pp)

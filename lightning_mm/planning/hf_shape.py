@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,6 +46,8 @@ class CausalLMShape(ModelShape):
         self.cfg = cfg
         self.model_type = str(cfg.get("model_type", "llama"))
         self.name = f"hf:{self.model_type}"
+        self.supports_sequence_parallel = self.model_type in ("llama", "mistral", "qwen2")
+        self.tp_degree = 1
         h, i, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
         heads = int(cfg["num_attention_heads"])
         kv = int(cfg.get("num_key_value_heads") or heads)
@@ -115,25 +118,42 @@ class CausalLMShape(ModelShape):
         out["lm_head"] = (2.0 * n * self.hidden * self.vocab_size, 0.0)
         return out
 
+    def on(self, mesh: Mesh) -> CausalLMShape:
+        # HFCausalLMModule keeps vocab-sharded logits under tp without pp (loss_parallel), and runs the sequence-
+        # parallel plan when asked (mesh.sp).
+        shape = copy.copy(self)
+        shape.sequence_parallel = mesh.sp and mesh.tp > 1
+        shape.loss_parallel = mesh.tp > 1 and mesh.pp == 1
+        shape.tp_degree = mesh.tp
+        return shape
+
     def _norm(self, a: int) -> float:
         """RMSNorm per token: the fp32 input (or its fp32 copy), the normalised value and the weighted output, plus
         the fp32 rsqrt; in bf16 the fp32 copy and the rsqrt are fp32, the rest bf16."""
         return self.hidden * (STATS + 2 * a) + STATS
 
+    def _norm_saved(self, tp: int, a: int) -> float:
+        """A norm and the tensor-parallel matmuls after it, per token: under sequence parallel the norm runs on
+        ``1 / tp`` of the sequence and the all-gathered output the matmuls save is a tensor of its own."""
+        if self.sequence_parallel:
+            return self._norm(a) / tp + self.hidden * a
+        return self._norm(a)
+
     def block_activation_bytes(self, block: str, geo: Geometry, tp: int, a: int) -> float:
         q, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_token = 2 * self._norm(a) + sdpa_saved_bytes(a, q, kvd, self.heads, tp) + a * 4 * self.intermediate / tp
+        mlp = a * 4 * self.intermediate / tp
+        per_token = 2 * self._norm_saved(tp, a) + sdpa_saved_bytes(a, q, kvd, self.heads, tp) + mlp
         return geo.n_tokens * per_token
 
     def block_input_bytes(self, block: str, geo: Geometry, a: int) -> float:
-        return geo.n_tokens * self.hidden * a
+        return geo.n_tokens * self.hidden * a / (self.tp_degree if self.sequence_parallel else 1)
 
     def extra_activation_bytes(self, units: set[str], first: bool, last: bool, geo: Geometry, tp: int, a: int) -> float:
         n, total = geo.n_tokens, 0.0
         if "model.norm" in units:
-            total += n * self._norm(a)
+            total += n * self._norm_saved(tp, a)
         if "lm_head" in units:
-            total += n * self.vocab_size * STATS  # log_softmax (fp32)
+            total += n * self.vocab_size * STATS / (tp if self.loss_parallel else 1)  # log_softmax (fp32)
         return total
 
     def batch_bytes(self, geo: Geometry) -> float:
@@ -144,6 +164,8 @@ class CausalLMShape(ModelShape):
 
     def logits_bytes(self, geo: Geometry, tp: int, a: int) -> tuple[float, float]:
         forward, backward = super().logits_bytes(geo, tp, a)
+        if self.loss_parallel:  # each rank's vocab shard only, its loss computed there
+            return forward / tp, backward / tp
         local = geo.n_tokens * self.vocab_size * a / tp if tp > 1 else 0.0  # the vocab shard before the all-gather
         return forward + local, backward
 
@@ -153,7 +175,10 @@ class CausalLMShape(ModelShape):
         if "model.embed_tokens" in units:
             total += ring_all_reduce(size, tp)  # vocab-sharded embedding: forward all-reduce
         if "lm_head" in units:
-            total += ring_all_gather(geo.n_tokens * self.vocab_size * a, tp) + ring_all_reduce(size, tp)
+            if self.loss_parallel:  # the max, the sum of exponentials and the target logit of every token
+                total += 3 * ring_all_reduce(geo.n_tokens * STATS, tp) + ring_all_reduce(size, tp)
+            else:
+                total += ring_all_gather(geo.n_tokens * self.vocab_size * a, tp) + ring_all_reduce(size, tp)
         return total
 
     def boundary_bytes(self, geo: Geometry, a: int) -> tuple[float, float]:

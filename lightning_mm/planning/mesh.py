@@ -15,6 +15,8 @@ class Mesh:
     dp_shard: int = 1
     tp: int = 1
     ep: int = 1
+    sp: bool = False
+    """Sequence parallel between the tensor-parallel regions (``sequence_parallel=True``; needs ``tp > 1``)."""
 
     @property
     def world(self) -> int:
@@ -26,7 +28,11 @@ class Mesh:
 
     @property
     def label(self) -> str:
-        kept = [f"{axis}{getattr(self, axis)}" for axis in MESH_ORDER if getattr(self, axis) > 1]
+        kept = [
+            f"{axis}{getattr(self, axis)}" + ("+sp" if axis == "tp" and self.sp else "")
+            for axis in MESH_ORDER
+            if getattr(self, axis) > 1
+        ]
         return " x ".join(kept) if kept else "single device"
 
     def dims(self):

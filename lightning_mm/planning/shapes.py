@@ -51,9 +51,19 @@ class ModelShape:
     """``{unit holding a tied weight: its copy on another unit}`` (the LM head's copy of a tied embedding table):
     counted on a pipeline stage that holds the copy's unit and not the weight's own (the strategy keeps a copy on
     each end stage, gradients summed)."""
+    supports_sequence_parallel: bool = False
+    """The strategy has a sequence-parallel plan for the model that the estimates below model."""
+    sequence_parallel: bool = False
+    """(set by :meth:`on`) The residual stream, norms and block inputs hold ``1 / tp`` of the sequence."""
+    loss_parallel: bool = False
+    """(set by :meth:`on`) The logits and the loss stay vocab-sharded over tp."""
     statistics_pass: bool = False
     """The pipeline objective runs a forward-only pass of the schedule before the training pass."""
     vocab_size: int = 0
+
+    def on(self, mesh: Mesh) -> ModelShape:
+        """The shape as the strategy runs it on ``mesh`` (sequence / loss parallel where it applies them)."""
+        return self
 
     # --- per-model formulas (per microbatch ``geo`` on one rank) ---
     def unit_costs(self, geo: Geometry) -> dict[str, float]:
@@ -135,6 +145,11 @@ class ModelShape:
             )
             if unsupported:
                 reasons.append(f"expert_parallel with {', '.join(unsupported)} is not supported by the strategy yet")
+        if mesh.sp and (mesh.tp == 1 or mesh.pp > 1 or not self.supports_sequence_parallel):
+            reasons.append(
+                "sequence_parallel needs tensor_parallel > 1, no pipeline parallel, and a model whose sequence-"
+                "parallel plan the planner models (HF llama / mistral / qwen2)"
+            )
         return reasons
 
     @property

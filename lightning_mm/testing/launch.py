@@ -49,6 +49,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,8 +61,40 @@ __all__ = ["THREADS_ENV", "free_port", "run_distributed", "run_in_process", "tes
 THREADS_ENV = "LIGHTNING_MM_TEST_THREADS"
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port for a launch's rendezvous that nothing else will take before the launch binds it.
+
+    Not one the OS picks (``bind(0)``): those come from the ephemeral range, from which every outgoing connection of
+    every process (other launches' gloo ranks, their TCPStore clients) also takes its local port, so a port found
+    free here was now and then taken by the time torchrun bound it (EADDRINUSE, seen in the full suite). Ports below
+    the ephemeral range are never handed out implicitly; each is checked free by binding it, and never returned twice
+    by this process."""
+    low, _ = _ephemeral_range()
+    first = max(1024, min(20000, low - 1024))
+    candidates = list(range(first, low))
+    random.SystemRandom().shuffle(candidates)  # (not the global generator, which tests seed)
+    for port in candidates:
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # (a range without a free port: the OS's pick)
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

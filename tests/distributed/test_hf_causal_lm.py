@@ -69,6 +69,9 @@ MESHES = {
     "pp2": (2, {"pipeline_parallel": 2, "data_parallel_shard": 1, "microbatches": 2}),
     "pp2_fsdp2": (4, {"pipeline_parallel": 2, "data_parallel_shard": 2, "microbatches": 2}),
     "tp2_fsdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2}),
+    # sequence parallel between the layers' TP regions (and, as under every tp mesh, loss parallel)
+    "tp2_sp": (2, {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}),
+    "tp2_sp_fsdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2, "sequence_parallel": True}),
 }
 
 
@@ -244,14 +247,16 @@ def _losses(run: dict) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model, mesh",
-    [("llama", mesh) for mesh in MESHES if mesh != "tp2_fsdp2"]
+    [("llama", mesh) for mesh in ("fsdp2", "tp2", "fsdp2_ac", "pp2", "pp2_fsdp2")]
     + [("llava", "fsdp2"), ("llava", "pp2"), ("llama_lora", "pp2")]
     + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")]
     + [(model, mesh) for model in ("llava_packed", "qwen2_packed") for mesh in ("fsdp2", "tp2", "pp2")]
     + [("llava_text_rank", "fsdp2")]
-    + [("qwen2_tied", mesh) for mesh in ("tp2", "tp2_fsdp2", "pp2")]
+    + [("qwen2_tied", "pp2"), ("llama_lora", "tp2_fsdp2")]  # (tp2 without sp: llama, *_packed)
     + [("user_llama", mesh) for mesh in ("tp2", "pp2")]
-    + [("llama_lora", mesh) for mesh in ("tp2", "tp2_fsdp2")],
+    + [
+        (model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")
+    ],
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are

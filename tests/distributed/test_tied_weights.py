@@ -1,5 +1,6 @@
 """A weight tied between two modules (an input embedding and an LM head) under tensor parallel: one parameter after
-``apply_tensor_parallel`` when both places shard it alike, refused naming both places otherwise. (Training parity of
+``apply_tensor_parallel`` when both places shard it alike, refused naming both places otherwise; frozen parameters
+stay frozen whatever the style. (Training parity of
 tied HF models under tp2, tp2 x fsdp2 and pp2: tests/distributed/test_hf_causal_lm.py, ``qwen2_tied``.)"""
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def _tie_under_tp(rank: int, world: int) -> dict:
             apply_tensor_parallel(TiedLM(), mesh, plan)
         except ValueError as error:
             errors[name] = str(error)
+    frozen = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+    frozen[0].requires_grad_(False)  # (LoRA freezes the base model's norms)
+    apply_tensor_parallel(frozen, mesh, {"0": "sequence", "1": "colwise"})
     return {
+        "frozen_kept": [p.requires_grad for p in frozen.parameters()],
         "tied": model.head.weight is model.embed.weight,
         "parameters": len(list(model.parameters())),
         "logits": torch.allclose(out, expected, atol=1e-6),
@@ -66,6 +71,8 @@ def _tie_under_tp(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_a_tied_weight_stays_one_parameter_under_tensor_parallel_or_is_refused():
     for result in run_distributed(_tie_under_tp, 2):
+        # torch's SequenceParallel re-registers parameters requiring grad; a frozen norm must stay frozen
+        assert result["frozen_kept"] == [False, False, True, True]
         assert result["tied"] and result["parameters"] == 1
         assert result["logits"] and result["grad"]  # both uses' gradients land in the one sharded table
         assert set(result["errors"]) == {"two layouts", "one place unsharded"}

@@ -228,3 +228,31 @@ def test_a_user_module_gets_the_plan_of_the_hf_model_it_holds(caplog):
     two.check_degrees({**DEGREES, "dp": 2})  # data parallel: the generic units, nothing to choose
     with pytest.raises(ValueError, match=r"several Hugging Face models \('model', 'teacher'\).*tp_plan"):
         two.check_degrees({**DEGREES, "tp": 2})
+
+
+def test_sequence_parallel_plan_shards_the_residual_stream_between_the_tp_regions():
+    # (against one process: tests/distributed/test_hf_causal_lm.py, *_sp meshes)
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    torch.manual_seed(0)
+    llama = module("llama")
+    plan = llama.parallel_plan(sequence_parallel=True)
+    plan.check_degrees({**DEGREES, "tp": 2})  # tp without pp: loss parallel, the logits stay vocab-sharded
+    styles = resolve_plan(llama, plan.tp_plan)
+    layer = "model.model.layers.1"
+    assert isinstance(styles[f"{layer}.self_attn.q_proj"], ColwiseParallel)
+    for rowwise in (f"{layer}.self_attn.o_proj", f"{layer}.mlp.down_proj"):  # reduce-scatter over the sequence
+        assert styles[rowwise].output_layouts == (Shard(1),) and not styles[rowwise].use_local_output
+    for norm in (f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "model.model.norm"):
+        assert isinstance(styles[norm], SequenceParallel)
+    for gathered in (f"{layer}.self_attn", f"{layer}.mlp", "model.model.layers.0"):
+        assert isinstance(styles[gathered], PrepareModuleInput)
+    head = styles["model.lm_head"]
+    assert head.input_layouts == (Shard(1),) and head.output_layouts == (Shard(-1),) and not head.use_local_output
+
+    pipelined = llama.parallel_plan()
+    pipelined.check_degrees({**DEGREES, "tp": 2, "pp": 2})  # under pp the last stage's logits are gathered
+    assert resolve_plan(llama, pipelined.tp_plan)["model.lm_head"].use_local_output
+    with pytest.raises(ValueError, match=r"sequence-parallel plan is verified for the decoders .*'gemma'"):
+        dict(module("gemma").parallel_plan(sequence_parallel=True).tp_plan)

@@ -11,6 +11,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
+from typing_extensions import override
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.models.common import data_parallel_group
@@ -233,6 +235,7 @@ class HFCausalLMModule(L.LightningModule):
             microbatches=microbatches,
             max_length=self.hparams.max_length,
             sequence_parallel=sequence_parallel,
+            loss_parallel=True,  # (its loss, causal_lm_loss_sum, takes vocab-sharded logits)
             pipeline_shape=pipeline_shape,
         )
         if has_meta_tensors(self.model) and self._pretrained_keys is not None:
@@ -276,16 +279,25 @@ class HFCausalLMModule(L.LightningModule):
         return causal_lm_loss_sum(logits, data["targets"]) / normalizer, data
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, data = self._loss(batch)
+        with loss_parallel():  # (vocab-sharded logits under tensor parallel: each rank's slice; else no effect)
+            loss, data = self._loss(batch)
         # This rank's share of the global mean (token_normalizer): the rank mean, which sync_dist takes, is the loss
         # of the global batch.
         self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=data["input_ids"].shape[0])
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        loss, data = self._loss(batch)
+        with loss_parallel():
+            loss, data = self._loss(batch)
         # Weighted by rows, as the strategy logs the pipelined val/loss, so the figure does not depend on the mesh.
         self.log("val/loss", loss, sync_dist=True, batch_size=data["input_ids"].shape[0])
+
+    @override
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        # The backward of a loss over vocab-sharded logits runs under the same context as its forward (torch's rule
+        # for loss_parallel); Lightning calls this hook for the module's backward.
+        with loss_parallel():
+            super().backward(loss, *args, **kwargs)
 
     def configure_optimizers(self):
         decay, no_decay = [], []

@@ -45,8 +45,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
 from lightning_mm.models.hf.images import (
@@ -59,6 +65,7 @@ from lightning_mm.models.hf.images import (
 )
 from lightning_mm.parallel.collectives import all_reduce_sum, at_least_float32, group_size
 from lightning_mm.parallel.pipeline import PipelineSplit, prune_units
+from lightning_mm.parallel.plans import is_sequence_type as _is_sequence_type
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, PipelineSpec
 
 __all__ = [
@@ -81,6 +88,10 @@ log = logging.getLogger(__name__)
 
 PIPELINE_FAMILIES = ("llama", "mistral", "qwen2")
 """Text decoders (``model_type``) whose ``forward`` is verified to compose stage by stage."""
+
+SEQUENCE_PARALLEL_FAMILIES = PIPELINE_FAMILIES
+"""Text decoders whose layers' structure the sequence-parallel plan assumes (norms as children of each layer, the
+attention called with ``hidden_states=``, the MLP positionally), verified against one process."""
 
 PIPELINE_VISION_LANGUAGE = ("llava",)
 """Vision-language models (``model_type``) whose base model's forward is verified as pipeline stage 0 (over one of
@@ -219,7 +230,7 @@ def _lora_wrapper(module: nn.Module) -> bool:
     return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
 
 
-def _with_lora_adapters(root: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+def _with_lora_adapters(root: nn.Module, plan: dict[str, Any], sequence_parallel: bool = False) -> dict[str, Any]:
     """``plan`` with every colwise / rowwise entry that matches a LoRA layer split into its parts, sharded
     consistently with the base layer (Megatron's LoRA layout):
 
@@ -254,14 +265,58 @@ def _with_lora_adapters(root: nn.Module, plan: dict[str, Any]) -> dict[str, Any]
                 )
             for adapter in modules[fqn].lora_A:
                 out[f"{fqn}.lora_A.{adapter}"] = "replicate" if kind == "colwise" else "rowwise"
-                out[f"{fqn}.lora_B.{adapter}"] = "colwise" if kind == "colwise" else "replicate"
+                # Under sequence parallel a rowwise base's output is a sequence shard (a DTensor): B takes A's
+                # sequence shard and keeps it one (SequenceParallel: replicated weight, DTensor in and out).
+                out[f"{fqn}.lora_B.{adapter}"] = (
+                    "colwise" if kind == "colwise" else SequenceParallel() if sequence_parallel else "replicate"
+                )
     return out
 
 
-def hf_tp_plan(layout: DecoderLayout, lm: nn.Module, root: nn.Module | None = None) -> dict[str, str | ParallelStyle]:
+def _sequence_parallel(root: nn.Module, layout: DecoderLayout, plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` with Megatron-style sequence parallelism between the decoder layers' tensor-parallel regions.
+
+    The residual stream and the norms hold ``1 / tp`` of the sequence (``Shard(1)`` DTensors): every rowwise linear
+    reduce-scatters its output over the sequence instead of all-reducing it, the attention and the MLP all-gather
+    their input, and the norms (``SequenceParallel``) run on the shard. The embeddings stay whole (the model builds
+    its masks and rotary tables from them, and a LLaVA-style model scatters its image features into them); the first
+    decoder layer takes its shard of them locally (no communication), and the LM head gathers the final norm's
+    output.
+    """
+    out = {
+        fqn: RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if style == "rowwise" else style
+        for fqn, style in plan.items()
+    }
+    modules = dict(root.named_modules())
+    for layer in layout.layers:
+        for name, child in modules[layer].named_children():
+            if _is_sequence_type(child):
+                out[f"{layer}.{name}"] = SequenceParallel()
+        # The attention is called with hidden_states=..., the MLP with it positionally (the families of
+        # SEQUENCE_PARALLEL_FAMILIES, verified against one process).
+        out[f"{layer}.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        )
+        out[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    out[layout.layers[0]] = PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False
+    )
+    out[layout.norm] = SequenceParallel()
+    return out
+
+
+def hf_tp_plan(
+    layout: DecoderLayout,
+    lm: nn.Module,
+    root: nn.Module | None = None,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> dict[str, str | ParallelStyle]:
     """The model's ``base_model_tp_plan`` with its patterns resolved relative to the LightningModule ``root``, plus
     the vocab-sharded embedding and LM head (module docstring), LoRA layers split into base and adapters
-    (:func:`_with_lora_adapters`)."""
+    (:func:`_with_lora_adapters`); ``sequence_parallel``: :func:`_sequence_parallel`; ``loss_parallel``: the logits
+    stay vocab-sharded (a ``Shard(-1)`` DTensor) for ``torch.distributed.tensor.parallel.loss_parallel``."""
     config = lm.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     declared = getattr(text_config, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
@@ -281,16 +336,29 @@ def hf_tp_plan(layout: DecoderLayout, lm: nn.Module, root: nn.Module | None = No
             )
         plan[f"{layout.decoder}.{pattern}"] = factory() if callable(factory) else factory
     if root is not None:
-        plan = _with_lora_adapters(root, plan)
+        plan = _with_lora_adapters(root, plan, sequence_parallel)
+    if sequence_parallel:
+        if root is None or layout.text_model_type not in SEQUENCE_PARALLEL_FAMILIES:
+            raise ValueError(
+                f"sequence_parallel=True: the HF adapter's sequence-parallel plan is verified for the decoders "
+                f"{list(SEQUENCE_PARALLEL_FAMILIES)}, not {layout.text_model_type!r}; use sequence_parallel=False"
+            )
+        plan = _sequence_parallel(root, layout, plan)
     plan[layout.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    plan[layout.head] = ColwiseParallel(output_layouts=Replicate())
+    plan[layout.head] = ColwiseParallel(
+        input_layouts=Shard(1) if sequence_parallel else Replicate(),
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )
     log.info(
         "tensor parallel plan of %s: %s.base_model_tp_plan (%d entries) under %r, plus the vocab-sharded embedding "
-        "and LM head",
+        "and LM head%s%s",
         type(lm).__name__,
         type(config).__name__,
         len(declared),
         layout.decoder + ".",
+        "; sequence parallel between the layers' tensor-parallel regions" if sequence_parallel else "",
+        "; loss parallel (vocab-sharded logits)" if loss_parallel else "",
     )
     return plan
 
@@ -427,10 +495,14 @@ def layout_kwargs(
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy (at least fp32). ``logits (R, T, V)``, ``targets (R, T)``, ``-100`` = no loss."""
-    return F.cross_entropy(
+    """Summed next-token cross entropy (at least fp32). ``logits (R, T, V)``, ``targets (R, T)``, ``-100`` = no loss.
+
+    Vocab-sharded logits (a ``Shard(-1)`` DTensor, under ``loss_parallel()``) give the same plain 0-d tensor: each
+    rank's log-softmax over its vocabulary slice, with the max and the sum of exponentials all-reduced."""
+    loss = F.cross_entropy(
         at_least_float32(logits).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def token_normalizer(targets: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -585,20 +657,25 @@ def causal_lm_parallel_plan(
     microbatches: int = 1,
     max_length: int | None = None,
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
     pipeline_shape: Sequence[int] | None = None,
 ) -> ParallelPlan:
     """The :class:`~lightning_mm.parallel.protocol.ParallelPlan` of the causal LM ``lm`` inside ``root`` (the
     LightningModule; FQNs relative to it). ``max_length``: the fixed sequence length of pipelined batches (default:
-    the first batch's). ``pipeline_shape`` is the reference VLM's and not used here."""
+    the first batch's). ``sequence_parallel``: Megatron-style sequence parallelism between the layers' TP regions;
+    ``loss_parallel``: under tensor parallel without pipeline parallel, the logits stay vocab-sharded for a loss
+    computed, with its backward, under ``torch.distributed.tensor.parallel.loss_parallel()`` (the module's steps and
+    ``backward`` enter it; :func:`causal_lm_loss_sum` takes the DTensor). ``pipeline_shape`` is the reference VLM's
+    and not used here."""
     layout = decoder_layout(root, lm)
-    if sequence_parallel:
-        raise ValueError(
-            f"sequence_parallel=True: the HF adapter has no sequence-parallel plan for {type(lm).__name__} yet; use "
-            "sequence_parallel=False"
-        )
     blocks = _stem_blocks(root, layout) + [root.get_submodule(name) for name in layout.layers]
 
+    sharded_logits = [False]
+
     def check_degrees(degrees: Mapping[str, int]) -> None:
+        # (called by the strategy before the TP plan is asked for) The pipeline's stages exchange and reduce plain
+        # tensors: the last stage's logits are gathered there.
+        sharded_logits[0] = loss_parallel and degrees["tp"] > 1 and degrees["pp"] == 1
         known = layout.text_model_type in PIPELINE_FAMILIES and (
             not layout.stem or layout.model_type in PIPELINE_VISION_LANGUAGE
         )
@@ -620,7 +697,7 @@ def causal_lm_parallel_plan(
         return [CausalLMStage(lm, entry, first=stage == 0, last=stage == split.num_stages - 1)]
 
     def tp_plan() -> dict[str, str | ParallelStyle]:
-        return hf_tp_plan(layout, lm, root)
+        return hf_tp_plan(layout, lm, root, sequence_parallel=sequence_parallel, loss_parallel=sharded_logits[0])
 
     pipeline = PipelineSpec(
         units=layout.units,
