@@ -507,6 +507,16 @@ def compare(model: str, name: str, world: int, kwargs: dict[str, Any], per_rank:
                 },
             }
         )
+        # What the step adds to what was live at its start (activations, logits, unsharded parameters): how activation
+        # memory falls with tp and sequence parallel, apart from the parameters, the optimizer state and the previous
+        # step's gradients (alive until the closure's zero_grad).
+        record = stages[result["stage"]]
+        start = sum(record.get(k, 0.0) for k in ("params", "grads", "optimizer", "batch", "pipeline_buffers"))
+        memory[-1]["above_step_start"] = {
+            "estimated": est - start,
+            "measured": result["peak_bytes"] - result["baseline_bytes"],
+            "ratio": (est - start) / (result["peak_bytes"] - result["baseline_bytes"]),
+        }
     worst = max(memory, key=lambda m: abs(m["ratio"] - 1))
     axes = sorted({a for r in per_rank for a in r["axis_bytes"]} | {a for a in estimate.comm_bytes if a in AXES_SHOWN})
     comm = {}
@@ -565,6 +575,13 @@ def print_table(rows: list[dict]) -> None:
                 f"{m['drift_bytes'] / 1e3:8.1f}  {m['estimated_moment']} / {inside}"
             )
     print(f"\nbytes per optimizer step per axis, mean over ranks (goal: within {BYTES_GOAL:.0%})")
+    print("\npeak above the step's start (activations, logits, gathered parameters), rank 0")
+    for row in rows:
+        above = row["memory"]["per_rank"][0]["above_step_start"]
+        print(
+            f"{row['model']:6} {row['mesh']:12} estimated {above['estimated'] / 1e6:6.2f} MB  measured "
+            f"{above['measured'] / 1e6:6.2f} MB  ratio {above['ratio']:5.3f}"
+        )
     print(f"{'model':6} {'mesh':10} {'axis':30} {'estimated KB':>12} {'measured KB':>11} {'ratio':>6} goal")
     for row in rows:
         for i, (axis, c) in enumerate(row["bytes_per_step"].items()):

@@ -171,14 +171,25 @@ class CausalLMShape(ModelShape):
 
     def tp_bytes(self, units: set[str], geo: Geometry, tp: int, a: int) -> float:
         size = geo.n_tokens * self.hidden * a
-        total = len(self.blocks_of(units)) * 7 * ring_all_reduce(size, tp)  # fwd: o, down; bwd: q, k, v, gate, up
+        blocks = len(self.blocks_of(units))
+        if self.sequence_parallel:
+            # per layer, attention and MLP: forward all-gather in, reduce-scatter out; backward the reverse (q / k / v
+            # share one gathered input, so one reduce-scatter of its gradient): 8 x (tp-1)/tp, 4 all-reduces' worth;
+            # the first layer's shard is taken locally (its backward all-gathers the gradient)
+            total = blocks * 4 * ring_all_reduce(size, tp)
+            total += ring_all_gather(size, tp) if blocks and self.blocks[0] in units else 0.0
+        else:
+            total = blocks * 7 * ring_all_reduce(size, tp)  # fwd: o, down; bwd: q, k, v, gate, up
         if "model.embed_tokens" in units:
             total += ring_all_reduce(size, tp)  # vocab-sharded embedding: forward all-reduce
         if "lm_head" in units:
+            # the head's input: gathered from the sequence shards (its gradient reduce-scattered), or its gradient
+            # all-reduced
+            head_input = 2 * ring_all_gather(size, tp) if self.sequence_parallel else ring_all_reduce(size, tp)
             if self.loss_parallel:  # the max, the sum of exponentials and the target logit of every token
-                total += 3 * ring_all_reduce(geo.n_tokens * STATS, tp) + ring_all_reduce(size, tp)
+                total += 3 * ring_all_reduce(geo.n_tokens * STATS, tp) + head_input
             else:
-                total += ring_all_gather(geo.n_tokens * self.vocab_size * a, tp) + ring_all_reduce(size, tp)
+                total += ring_all_gather(geo.n_tokens * self.vocab_size * a, tp) + head_input
         return total
 
     def boundary_bytes(self, geo: Geometry, a: int) -> tuple[float, float]:

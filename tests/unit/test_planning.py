@@ -170,11 +170,13 @@ def test_bytes_per_axis_match_hand_computed_ring_formulas(llama):
     # tp 2 on 4 tokens of width 8: an all-reduce of 4 x 8 x 4 = 128 bytes sends 2 x 1/2 x 128 = 128 bytes; 7 per layer
     # (forward o, down; backward q, k, v, gate, up), one for the embedding; the head keeps its logits vocab-sharded
     # (loss parallel: three all-reduces of one fp32 per token, 16 bytes each: the max, the sum of exponentials, the
-    # target's logit) and all-reduces its input gradient. Sequence parallel: the same bytes (all-gather +
-    # reduce-scatter for each all-reduce).
+    # target's logit) and all-reduces its input gradient.
     tp = evaluate(llama, Mesh(tp=2), fp32(global_batch=1), Hardware(devices=2)).comm_bytes
     assert tp["tp"] == 2 * 7 * 128 + 128 + 3 * 16 + 128  # = 2096
-    assert evaluate(llama, Mesh(tp=2, sp=True), fp32(global_batch=1), Hardware(devices=2)).comm_bytes["tp"] == tp["tp"]
+    # Sequence parallel: per layer 4 all-gathers + 4 reduce-scatters (64 bytes each: q / k / v share one gathered
+    # input), the first layer's gradient all-gathered, the head's input gathered and its gradient reduce-scattered
+    sp = evaluate(llama, Mesh(tp=2, sp=True), fp32(global_batch=1), Hardware(devices=2)).comm_bytes
+    assert sp["tp"] == 2 * 8 * 64 + 128 + 64 + 3 * 16 + 2 * 64  # = 1392
     # pp 2, 2 microbatches: stage 0 sends hidden states (128 bytes) + the int64 attention mask (32), stage 1 sends
     # their gradient (128); averaged over the two ranks
     pp = evaluate(llama, Mesh(pp=2), fp32(global_batch=2), Hardware(devices=2)).comm_bytes
