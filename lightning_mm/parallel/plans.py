@@ -54,6 +54,7 @@ from lightning_mm.parallel.materialize import shared_parameters
 __all__ = [
     "STYLES",
     "GatherSequence",
+    "LinearOnSequenceShards",
     "ReplicateParallel",
     "apply_tensor_parallel",
     "gather_first_input",
@@ -160,6 +161,13 @@ class GatherSequence(ParallelStyle):
         return f"{type(self).__name__}()"
 
 
+class LinearOnSequenceShards(SequenceParallel):
+    """A linear layer with a replicated weight applied to sequence-sharded activations (``Shard(1)`` DTensors in and
+    out): the LoRA ``B`` of a row-parallel layer under sequence parallel, whose input (``A``'s reduce-scattered
+    output) and output (added to the base layer's) are sequence shards. ``SequenceParallel`` itself is kept to norms
+    and dropout, where a plan naming a linear is a mistake."""
+
+
 def _style(name: str) -> ParallelStyle:
     if name == "colwise":
         return ColwiseParallel()
@@ -201,9 +209,7 @@ def _check_module_type(pattern: str, fqn: str, style: str | ParallelStyle, modul
             f"TP plan pattern {pattern!r} applies {_describe(style)} to {fqn!r}, a {type(module).__name__}; "
             f"{_describe(style)} supports only nn.Linear"
         )
-    # (a SequenceParallel object may also hold a Linear: a replicated weight applied to sequence shards, e.g. the
-    # LoRA B of a row-parallel layer under sequence parallel)
-    linear_on_shards = isinstance(style, SequenceParallel) and isinstance(module, nn.Linear)
+    linear_on_shards = isinstance(style, LinearOnSequenceShards) and isinstance(module, nn.Linear)
     if (
         (style == "sequence" or isinstance(style, SequenceParallel))
         and not is_sequence_type(module)

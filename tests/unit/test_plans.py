@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_mm.models.vlm import FusionBlock, TransformerBlock, VisionLanguageModel, build_config
 from lightning_mm.models.vlm.parallelize import reference_vlm_plan
-from lightning_mm.parallel.plans import STYLES, GatherSequence, ReplicateParallel, resolve_plan
+from lightning_mm.parallel.plans import STYLES, GatherSequence, LinearOnSequenceShards, ReplicateParallel, resolve_plan
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +164,8 @@ def test_style_objects_are_checked_like_names(model):
     assert "vision.blocks.0.attn_norm" in str(info.value) and "LayerNorm" in str(info.value)
     with pytest.raises(ValueError, match="LayerNorm"):
         resolve_plan(model, {"lm_head": SequenceParallel()})
+    on_shards = LinearOnSequenceShards()  # (the one sequence style for a Linear: LoRA's B under sequence parallel)
+    assert resolve_plan(model, {"lm_head": on_shards})["lm_head"] is on_shards
     gather = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
     assert resolve_plan(model, {"lm_head": gather})["lm_head"] is gather  # any module type; applied as given
 
@@ -175,6 +177,8 @@ def test_style_of_unknown_type_fails(model):
 
 
 def test_conflicting_style_objects_fail(model):
+    on_shards = LinearOnSequenceShards()  # (the one sequence style for a Linear: LoRA's B under sequence parallel)
+    assert resolve_plan(model, {"lm_head": on_shards})["lm_head"] is on_shards
     gather = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
     same = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
     assert resolve_plan(model, {"lm_head": gather, "lm_hea*": same})["lm_head"] is same  # equal description: fine

@@ -65,6 +65,7 @@ from lightning_mm.models.hf.images import (
 )
 from lightning_mm.parallel.collectives import all_reduce_sum, at_least_float32, group_size
 from lightning_mm.parallel.pipeline import PipelineSplit, prune_units
+from lightning_mm.parallel.plans import LinearOnSequenceShards
 from lightning_mm.parallel.plans import is_sequence_type as _is_sequence_type
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, PipelineSpec
 
@@ -266,9 +267,9 @@ def _with_lora_adapters(root: nn.Module, plan: dict[str, Any], sequence_parallel
             for adapter in modules[fqn].lora_A:
                 out[f"{fqn}.lora_A.{adapter}"] = "replicate" if kind == "colwise" else "rowwise"
                 # Under sequence parallel a rowwise base's output is a sequence shard (a DTensor): B takes A's
-                # sequence shard and keeps it one (SequenceParallel: replicated weight, DTensor in and out).
+                # sequence shard and keeps it one (replicated weight, DTensor in and out).
                 out[f"{fqn}.lora_B.{adapter}"] = (
-                    "colwise" if kind == "colwise" else SequenceParallel() if sequence_parallel else "replicate"
+                    "colwise" if kind == "colwise" else LinearOnSequenceShards() if sequence_parallel else "replicate"
                 )
     return out
 
