@@ -88,9 +88,8 @@ def shared_parameters(module: nn.Module) -> list[list[tuple[str, nn.Module, str]
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for name, param in owner._parameters.items():
             if param is not None:
-                entry = places.setdefault(id(param), [])
-                if not any(other is owner and other_name == name for _, other, other_name in entry):
-                    entry.append((f"{prefix}.{name}" if prefix else name, owner, name))
+                # every FQN counts, also a module registered in two places (its parameters are then shared too)
+                places.setdefault(id(param), []).append((f"{prefix}.{name}" if prefix else name, owner, name))
     return [shared for shared in places.values() if len(shared) > 1]
 
 

@@ -61,8 +61,11 @@ class TiedAcrossStages:
 
     @torch.no_grad()
     def all_reduce_grads_(self) -> None:
-        """Sum the copies' gradients over the ranks that hold them (a copy without a gradient contributes zeros)."""
+        """Sum the copies' gradients over the ranks that hold them (a copy without a gradient contributes zeros; a
+        frozen weight, e.g. LoRA's base, is skipped on every rank alike)."""
         for param in self.copies:
+            if not param.requires_grad:
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(_local(param.grad), op=dist.ReduceOp.SUM, group=self.group)

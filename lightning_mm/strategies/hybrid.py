@@ -293,10 +293,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         mp_policy = mixed_precision_policy(precision)
         plan = self._parallelize(self.lightning_module, mp_policy)
         self._materialize(self.lightning_module, plan)
-        if self._pipeline is not None and self._pipeline.tied is not None:
-            self._pipeline.tied.broadcast_()  # a tied weight's copies on the first and last stage start equal
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self._pipeline is not None and self._pipeline.tied is not None:
+            self._pipeline.tied.broadcast_()  # (on the device) a tied weight's copies on both end stages start equal
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

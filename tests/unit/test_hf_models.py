@@ -214,7 +214,9 @@ def test_a_user_module_gets_the_plan_of_the_hf_model_it_holds(caplog):
     holder = _Holder(_llama())
     with caplog.at_level("INFO", logger="lightning_mm.models.hf.held"):
         plan = held_model_plan(holder, microbatches=2)
-    assert "LlamaForCausalLM at 'model'" in caplog.text and "global batch's token count" in caplog.text
+    assert "LlamaForCausalLM at 'model'" in caplog.text and "LlamaConfig.base_model_tp_plan" in caplog.text
+    with pytest.warns(UserWarning, match=r"causal-LM cross entropy over the global batch's tokens.*pipeline_loss"):
+        plan.check_degrees({**DEGREES, "pp": 2})  # the substituted pipeline loss is said, not only logged
     styles = resolve_plan(holder, plan.tp_plan)
     assert isinstance(styles["model.model.layers.0.self_attn.q_proj"], ColwiseParallel)
     assert isinstance(styles["model.model.layers.1.mlp.down_proj"], RowwiseParallel)
@@ -222,12 +224,13 @@ def test_a_user_module_gets_the_plan_of_the_hf_model_it_holds(caplog):
     assert plan.pipeline.units[0] == "model.model.embed_tokens" and plan.pipeline.units[-1] == "model.lm_head"
 
     holder.pipeline_loss = lambda output, target: output.sum()  # the module's own loss: its own chain and split
-    assert held_model_plan(holder).pipeline is None
+    own = held_model_plan(holder)
+    assert own.pipeline is None
+    own.check_degrees({**DEGREES, "pp": 2})  # no warning, no family check: the module's chain
     assert held_model_plan(_Holder(torch.nn.Linear(2, 2))) is None  # no HF model: the generic rules
-    two = held_model_plan(_Holder(_llama(), _llama()))
-    two.check_degrees({**DEGREES, "dp": 2})  # data parallel: the generic units, nothing to choose
-    with pytest.raises(ValueError, match=r"several Hugging Face models \('model', 'teacher'\).*tp_plan"):
-        two.check_degrees({**DEGREES, "tp": 2})
+    with caplog.at_level("INFO", logger="lightning_mm.models.hf.held"):  # several: the user's tp_plan / split decide
+        assert held_model_plan(_Holder(_llama(), _llama())) is None
+    assert "several Hugging Face models ('model', 'teacher')" in caplog.text
 
 
 def test_sequence_parallel_plan_shards_the_residual_stream_between_the_tp_regions():

@@ -189,3 +189,17 @@ def test_conflicting_style_objects_fail(model):
 def test_conflicting_patterns_fail(model):
     with pytest.raises(ValueError, match="both match"):
         resolve_plan(model, {"vision.blocks.0.attn.q_proj": "colwise", "vision.blocks.*.attn.q_proj": "rowwise"})
+
+
+def test_shared_parameters_lists_every_place_of_a_tied_weight():
+    from lightning_mm.parallel.materialize import shared_parameters
+
+    block = nn.Linear(2, 2)
+    shared = nn.Sequential(block, nn.ReLU(), block)  # one module in two places (ALBERT-style sharing)
+    places = sorted(sorted(fqn for fqn, _, _ in group) for group in shared_parameters(shared))
+    assert places == [["0.bias", "2.bias"], ["0.weight", "2.weight"]]
+    embed, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
+    head.weight = embed.weight
+    assert [[fqn for fqn, _, _ in g] for g in shared_parameters(nn.ModuleDict({"e": embed, "h": head}))] == [
+        ["e.weight", "h.weight"]
+    ]

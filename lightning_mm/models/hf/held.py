@@ -16,14 +16,15 @@ model it holds (:func:`held_model_plan`):
   (:func:`~lightning_mm.models.hf.parallelize.as_causal_lm_batch`).
 
 Only a module holding one such model is planned. One holding several (a teacher and a student), or a model that is
-not a decoder-only causal LM, trains under data parallel with the generic FSDP units; tensor and pipeline parallel
-are refused, naming the models or what the adapter missed (which to shard how is the user's choice: ``tp_plan=``).
+not a decoder-only causal LM, gets the generic rules, as before (which to shard how is the user's choice:
+``tp_plan=``, ``pipeline_split=`` with ``pipeline_loss``); the log says why.
 """
 
 from __future__ import annotations
 
 import logging
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -52,37 +53,46 @@ def held_model_plan(root: nn.Module, *, microbatches: int = 1) -> ParallelPlan |
     if not found:
         return None
     if len(found) > 1:
-        return _refused(
-            f"{type(root).__name__} holds several Hugging Face models ({', '.join(map(repr, found))}) and "
-            "lightning-mm plans one; pass tp_plan={'fqn.pattern': 'colwise' | 'rowwise', ...} (patterns relative to "
-            "the LightningModule), or define parallel_plan() on the module"
+        log.info(
+            "%s holds several Hugging Face models (%s): no plan is taken from them (which to shard how is the "
+            "user's choice: tp_plan=..., pipeline_split=... with pipeline_loss)",
+            type(root).__name__,
+            ", ".join(map(repr, found)),
         )
+        return None
     ((name, model),) = found.items()  # (inside a peft wrapper: the model it wraps)
     try:
         decoder_layout(root, model)
-    except ValueError as error:  # not a decoder-only causal LM: data parallel still needs no plan
-        return _refused(str(error))
+    except ValueError as error:  # not a decoder-only causal LM: the generic rules, as for any module
+        log.info("%s: no plan is taken from the Hugging Face model it holds: %s", type(root).__name__, error)
+        return None
     plan = causal_lm_parallel_plan(root, model, microbatches=microbatches)
     own_loss = callable(getattr(root, "pipeline_loss", None))
     if own_loss:
-        plan.pipeline = None  # the module's pipeline_loss and pipeline_split cut it as any chain
+        # the module's pipeline_loss and pipeline_split cut it as any chain, whatever the decoder family
+        plan.pipeline = None
+        decoder_checks = plan.check_degrees
+        plan.check_degrees = lambda degrees: decoder_checks({**degrees, "pp": 1})
     log.info(
         "%s declares no parallel plan: using the one of the %s at %r (decoder layers as FSDP units, "
-        "%s.base_model_tp_plan for tensor parallel; pipeline loss: %s)",
+        "%s.base_model_tp_plan for tensor parallel)",
         type(root).__name__,
         type(model).__name__,
         name,
         type(model.config).__name__,
-        "the module's pipeline_loss" if own_loss else "causal-LM cross entropy over the global batch's token count",
     )
+    if not own_loss:
+        pipelined = plan.check_degrees
+
+        def check_degrees(degrees) -> None:
+            pipelined(degrees)
+            if degrees["pp"] > 1:
+                rank_zero_warn(
+                    f"pipeline_parallel={degrees['pp']}: {type(root).__name__} defines no pipeline_loss, so the "
+                    f"pipeline trains the {type(model).__name__} at {name!r} on the causal-LM cross entropy over the "
+                    "global batch's tokens (what its labels= loss is on the whole batch); its training_step is not "
+                    "called. Define pipeline_loss(output, target) for another objective."
+                )
+
+        plan.check_degrees = check_degrees
     return plan
-
-
-def _refused(reason: str) -> ParallelPlan:
-    """A plan for data parallel only (the generic FSDP units): tensor / pipeline parallel raise ``reason``."""
-
-    def check_degrees(degrees) -> None:
-        if degrees["tp"] > 1 or degrees["pp"] > 1:
-            raise ValueError(f"tensor_parallel={degrees['tp']}, pipeline_parallel={degrees['pp']}: {reason}")
-
-    return ParallelPlan(check_degrees=check_degrees)

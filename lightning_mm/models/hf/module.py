@@ -4,6 +4,8 @@ parallelized, so ``HybridParallelStrategy`` gives it FSDP2 / HSDP, tensor and pi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
@@ -253,7 +256,22 @@ class HFCausalLMModule(L.LightningModule):
 
         With ``position_ids (R, T)`` restarting at 0 at each packed sample, a packed batch is given to the model with
         its positions and without a mask, so transformers keeps each token's attention inside its sample; rows of one
-        sample keep their ``attention_mask`` (:func:`~lightning_mm.models.hf.parallelize.layout_kwargs`)."""
+        sample keep their ``attention_mask`` (:func:`~lightning_mm.models.hf.parallelize.layout_kwargs`).
+
+        Under tensor parallel the logits come back whole on every tp rank (the training loss works on the vocab shards
+        instead, :meth:`_loss`)."""
+        logits = self._logits(input_ids, attention_mask, pixel_values, position_ids)
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+    def _logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        pixel_values: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """:meth:`forward`'s logits as the LM head leaves them: a vocab-sharded ``Shard(-1)`` DTensor under tensor
+        parallel without pipeline parallel (loss parallel)."""
         lm = self.causal_lm
         images = pixel_values is not None and pixel_values.shape[0] > 0
         extra = {"pixel_values": pixel_values} if images else {}
@@ -272,14 +290,12 @@ class HFCausalLMModule(L.LightningModule):
     def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         images = ImageTokens.of(self.causal_lm) if isinstance(batch, MultimodalBatch) else None
         data = as_causal_lm_batch(batch, images)
-        logits = self(
-            data["input_ids"], data["attention_mask"], data.get("pixel_values"), position_ids=data["position_ids"]
-        )
+        logits = self._logits(data["input_ids"], data["attention_mask"], data.get("pixel_values"), data["position_ids"])
         normalizer = token_normalizer(data["targets"], data_parallel_group(self._trainer))
         return causal_lm_loss_sum(logits, data["targets"]) / normalizer, data
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        with loss_parallel():  # (vocab-sharded logits under tensor parallel: each rank's slice; else no effect)
+        with _sharded_loss():  # (vocab-sharded logits under tensor parallel: each rank's slice; else no effect)
             loss, data = self._loss(batch)
         # This rank's share of the global mean (token_normalizer): the rank mean, which sync_dist takes, is the loss
         # of the global batch.
@@ -287,7 +303,7 @@ class HFCausalLMModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        with loss_parallel():
+        with _sharded_loss():
             loss, data = self._loss(batch)
         # Weighted by rows, as the strategy logs the pipelined val/loss, so the figure does not depend on the mesh.
         self.log("val/loss", loss, sync_dist=True, batch_size=data["input_ids"].shape[0])
@@ -296,7 +312,7 @@ class HFCausalLMModule(L.LightningModule):
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         # The backward of a loss over vocab-sharded logits runs under the same context as its forward (torch's rule
         # for loss_parallel); Lightning calls this hook for the module's backward.
-        with loss_parallel():
+        with _sharded_loss():
             super().backward(loss, *args, **kwargs)
 
     def configure_optimizers(self):
@@ -319,3 +335,15 @@ class HFCausalLMModule(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@contextmanager
+def _sharded_loss() -> Iterator[None]:
+    """torch's ``loss_parallel()``, switched off again when the block raises too (torch's context manager has no
+    ``finally``: an exception caught around a step, an out-of-memory retry, would leave its loss ops on for good)."""
+    context = loss_parallel()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)

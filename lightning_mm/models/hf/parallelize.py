@@ -257,6 +257,11 @@ def _with_lora_adapters(root: nn.Module, plan: dict[str, Any], sequence_parallel
             if not _lora_wrapper(modules[fqn]):
                 out[fqn] = style
                 continue
+            if any(getattr(modules[fqn], "use_dora", {}).values()):
+                raise ValueError(
+                    f"DoRA (use_dora=True) on {fqn} under tensor_parallel > 1: its magnitude vector is not split with "
+                    "the layer; use plain LoRA with tensor parallel, or data / pipeline parallel with DoRA"
+                )
             out[f"{fqn}.base_layer"] = kind
             dropout = modules[fqn].lora_dropout
             if kind == "colwise" and any(not isinstance(d, nn.Identity) for d in dropout.values()):
