@@ -252,7 +252,7 @@ def _losses(run: dict) -> torch.Tensor:
     + [("llama_packed", mesh) for mesh in ("fsdp2", "tp2", "pp2")]
     + [(model, mesh) for model in ("llava_packed", "qwen2_packed") for mesh in ("fsdp2", "tp2", "pp2")]
     + [("llava_text_rank", "fsdp2")]
-    + [("qwen2_tied", "pp2"), ("llama_lora", "tp2_fsdp2")]  # (tp2 without sp: llama, *_packed)
+    + [("qwen2_tied", "pp2"), ("qwen2_tied", "pp2_fsdp2"), ("llama_lora", "tp2_fsdp2")]  # (tp2 without sp: llama)
     + [("user_llama", mesh) for mesh in ("tp2", "pp2")]
     + [
         (model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")
