@@ -58,7 +58,7 @@ def format_table(candidates: Sequence[Candidate], hardware: Hardware, top: int |
         "other = the rest at the peak (batch, unsharded FSDP parameters and gradients, loss and pipeline buffers, "
         "recomputation); load = the peak while a pretrained checkpoint is read into this rank's shards (its fp32 "
         "shards + one read chunk; loading the whole model on every rank would hold all of it); comm = exposed "
-        "communication; * = inter-node axis"
+        "communication; * = inter-node axis; tpN+sp = tensor_parallel=N, sequence_parallel=True"
     )
     return "\n".join(lines)
 
