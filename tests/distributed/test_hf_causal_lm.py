@@ -312,3 +312,52 @@ def test_hf_llama_bf16_mixed_tracks_fp32():
         assert torch.isfinite(losses).all()
         # bf16 compute, fp32 master weights and reductions: within 2 % of the fp32 run over 5 steps.
         torch.testing.assert_close(losses, expected, rtol=2e-2, atol=0)
+
+
+class _StopAfter(L.Callback):
+    """Stops fitting after ``epochs`` epochs of a longer ``max_epochs`` run (whose learning-rate schedule spans them
+    all, as the resumed run's does)."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch + 1 >= self.epochs:
+            trainer.should_stop = True
+
+
+def _tied_epochs(rank: int, world: int, epochs: int, directory: str, resume: bool) -> list[float]:
+    """qwen2_tied on pp2 for ``epochs`` of 4 epochs of one global batch, a checkpoint at every epoch end; ``resume``:
+    from the last one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    config, batches, _ = MODELS["qwen2_tied"]
+    L.seed_everything(SEED, verbose=False)
+    module = HFCausalLMModule(config=config, learning_rate=LR)
+    recorder = LossRecorder()
+    fit = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=HybridParallelStrategy(**MESHES["pp2"][1]),
+        max_epochs=4,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[recorder, _StopAfter(epochs), ModelCheckpoint(dirpath=directory, save_last=True, every_n_epochs=1)],
+    )
+    loader = torch.utils.data.DataLoader(batches(0, 1)[:1], batch_size=None)
+    fit.fit(module, train_dataloaders=loader, ckpt_path=f"{directory}/last.ckpt" if resume else None)
+    return recorder.losses
+
+
+@pytest.mark.slow
+def test_tied_weights_resume_exactly_under_pipeline_parallel(tmp_path):
+    """A tied embedding / LM head under pp2 saved after 2 epochs and resumed for 2 more repeats the losses of 4
+    epochs in one run: both stages' copies and their AdamW states come back (each stage holds its own copy)."""
+    whole = run_distributed(_tied_epochs, 2, 4, str(tmp_path / "whole"), False, timeout=300)[0]
+    run_distributed(_tied_epochs, 2, 2, str(tmp_path / "split"), False, timeout=300)
+    resumed = run_distributed(_tied_epochs, 2, 4, str(tmp_path / "split"), True, timeout=300)[0]
+    assert len(whole) == 4 and len(resumed) == 2
+    assert resumed == whole[2:]
