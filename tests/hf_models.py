@@ -36,6 +36,15 @@ LLAVA = {
 IMAGE_TOKENS = 16  # (16 / 4) ** 2 patch features per image (the CLS feature is dropped)
 
 
+def hf_model(config: dict, **kwargs) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config`` of a config dict with its ``model_type`` (nothing downloaded); ``kwargs``
+    as ``from_config``'s (e.g. ``attn_implementation``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(config)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings), **kwargs)
+
+
 def token_batches(
     dp_rank: int, dp: int, count: int, global_batch: int = 8, length: int = 12
 ) -> list[dict[str, torch.Tensor]]:

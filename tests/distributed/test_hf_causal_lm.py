@@ -39,11 +39,11 @@ from tests.helpers import (
     LossRecorder,
     assert_float32_noise,
     full_copy,
-    precision_settings,
+    quiet_trainer,
     random_samples,
     run_distributed,
 )
-from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, token_batches
+from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, hf_model, token_batches
 
 STEPS, SEED, CLIP, LR = 5, 0, 1.0, 3e-3
 GLOBAL_BATCH = 8
@@ -156,21 +156,7 @@ MODELS = {
 
 
 def trainer(devices: int, strategy, precision: str = "32-true", **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[LossRecorder()],
-        **precision_settings(precision),
-        **kwargs,
-    )
+    return quiet_trainer(devices, strategy, STEPS, [LossRecorder()], precision, gradient_clip_val=CLIP, **kwargs)
 
 
 class UserCausalLM(L.LightningModule):
@@ -180,10 +166,7 @@ class UserCausalLM(L.LightningModule):
 
     def __init__(self, config: dict, learning_rate: float) -> None:
         super().__init__()
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        settings = dict(config)
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings))
+        self.model = hf_model(config)
         self.learning_rate = learning_rate
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -335,18 +318,10 @@ def _tied_epochs(rank: int, world: int, epochs: int, directory: str, resume: boo
     L.seed_everything(SEED, verbose=False)
     module = HFCausalLMModule(config=config, learning_rate=LR)
     recorder = LossRecorder()
-    fit = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=HybridParallelStrategy(**MESHES["pp2"][1]),
-        max_epochs=4,
-        gradient_clip_val=CLIP,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=[recorder, _StopAfter(epochs), ModelCheckpoint(dirpath=directory, save_last=True, every_n_epochs=1)],
-    )
+    checkpoints = ModelCheckpoint(dirpath=directory, save_last=True, every_n_epochs=1)
+    strategy = HybridParallelStrategy(**MESHES["pp2"][1])
+    callbacks = [recorder, _StopAfter(epochs), checkpoints]
+    fit = quiet_trainer(world, strategy, -1, callbacks, max_epochs=4, gradient_clip_val=CLIP, enable_checkpointing=True)
     loader = torch.utils.data.DataLoader(batches(0, 1)[:1], batch_size=None)
     fit.fit(module, train_dataloaders=loader, ckpt_path=f"{directory}/last.ckpt" if resume else None)
     return recorder.losses

@@ -32,7 +32,7 @@ from lightning_mm.models.hf import HFCausalLMModule, export_pretrained
 from lightning_mm.models.hf.export import load_module
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.helpers import LossRecorder, full_copy, run_distributed
-from tests.hf_models import LLAMA, token_batches
+from tests.hf_models import LLAMA, hf_model, token_batches
 
 pytestmark = pytest.mark.slow
 
@@ -190,12 +190,8 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 def _base_model() -> torch.nn.Module:
     """``AutoModelForCausalLM.from_config`` of CONFIG with the training runs' seed (what the LoRA base is)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = dict(CONFIG)
-    model_type = config.pop("model_type")
     L.seed_everything(SEED, verbose=False)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), attn_implementation="sdpa")
+    return hf_model(CONFIG, attn_implementation="sdpa")
 
 
 def _assert_same_params(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ from lightning_mm.models.hf.held import held_model_plan
 from lightning_mm.parallel.pipeline import explicit_split
 from lightning_mm.parallel.plans import resolve_plan
 from tests.helpers import random_samples
-from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA
+from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, hf_model
 
 TEXT = {key: value for key, value in LLAMA.items() if key != "model_type"}
 DEGREES = {"pp": 1, "tp": 1, "ep": 1, "dp": 1}
@@ -203,9 +203,7 @@ class _Holder(L.LightningModule):
 
 
 def _llama() -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TEXT))
+    return hf_model({"model_type": "llama", **TEXT})
 
 
 def test_a_user_module_gets_the_plan_of_the_hf_model_it_holds(caplog):
