@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_mm.parallel.pipeline import PipelineSplit
+
 __all__ = ["TiedAcrossStages", "tied_across_stages"]
 
 
@@ -81,9 +83,7 @@ def _unit_of(fqn: str, units: Sequence[str]) -> str | None:
 def tied_across_stages(
     tied: list[list[str]],
     module: nn.Module,
-    units: Sequence[str],
-    stage_of_unit: dict[str, int],
-    pp_rank_of_stage: dict[int, int],
+    split: PipelineSplit,
     pp_groups: Sequence[Sequence[int]],
     pp_rank: int,
 ) -> TiedAcrossStages | None:
@@ -91,17 +91,18 @@ def tied_across_stages(
     :func:`~lightning_mm.parallel.materialize.shared_parameters` of the whole model, before the split) whose places
     fall on different pipeline ranks; None when every tied weight stays on one rank.
 
-    ``units``: the pipeline units; ``stage_of_unit`` / ``pp_rank_of_stage``: the split and the stages' ranks;
-    ``pp_groups``: the global ranks of every pipeline group (one per data- / tensor-parallel coordinate, in pipeline
-    rank order; every rank passes all of them, since creating the groups is collective); ``module``: this rank's
-    pruned model. Call on every rank.
+    ``split``: the pipeline's stages, placed on the ranks as :func:`~lightning_mm.parallel.pipeline.stage_ids_for_rank`
+    does (looped: stage ``s`` on pipeline rank ``s % pp``); ``pp_groups``: the global ranks of every pipeline group
+    (one per data- / tensor-parallel coordinate, in pipeline rank order; every rank passes all of them, since creating
+    the groups is collective); ``module``: this rank's pruned model. Call on every rank.
     """
+    pp_size = len(pp_groups[0])
     spread: list[tuple[list[str], list[int]]] = []
     for fqns in tied:
-        owners = [_unit_of(fqn, units) for fqn in fqns]
+        owners = [_unit_of(fqn, split.units) for fqn in fqns]
         if any(owner is None for owner in owners):
             continue  # a place outside the pipeline units (held by every stage's root): one rank's object already
-        ranks = sorted({pp_rank_of_stage[stage_of_unit[owner]] for owner in owners})
+        ranks = sorted({split.owner(owner) % pp_size for owner in owners})
         if len(ranks) > 1:
             spread.append((fqns, ranks))
     if not spread:

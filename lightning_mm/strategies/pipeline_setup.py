@@ -204,11 +204,9 @@ def build_pipeline(
     tied_copies = tied_across_stages(
         tied,
         module,
-        stages.units,
-        {unit: stages.owner(unit) for unit in stages.units},
-        {stage: stage % dims.pp for stage in range(num_stages)},  # the looped layout of stage_ids_for_rank
-        world.reshape(dims.pp, -1).T.tolist(),  # pp is the mesh's outermost axis
-        pp_rank,
+        stages,
+        world.reshape(dims.pp, -1).T.tolist(),
+        pp_rank,  # (pp: the mesh's outermost axis)
     )
     if tied_copies is not None:
         log.info(
