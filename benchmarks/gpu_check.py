@@ -24,8 +24,9 @@ so a run killed by the time limit still leaves what it measured:
    (non-padding) tokens/s (text tokens + image patches), peak ``max_memory_allocated`` over the timed
    steps, MFU. An out-of-memory error during warm-up halves ``--rows`` and retries (``--no-oom-backoff``
    to disable).
-4. ``compile`` (only with ``--compile``, and only when enough of ``--max-seconds`` is left): the same steps
-   through ``torch.compile(model)``; compile time and median step time.
+4. ``compile`` (only with ``--compile``, and only when enough of ``--max-seconds`` is left): the same steps with
+   every transformer block compiled in place (:func:`lightning_mm.parallel.compile.compile_blocks`, what
+   ``HybridParallelStrategy(compile=True)`` applies); compile time, median step time and the speed-up over eager.
 5. ``plan`` (unless ``--skip-plan``): ``lightning-mm plan``'s top choice for one device of this GPU's memory
    (:func:`lightning_mm.planning.plan` for the preset, one sample per row of ``--tokens-per-row`` tokens and
    ``--patches-per-row`` patches, ``--rows`` rows, the precision above; one device leaves only the choice of
@@ -541,7 +542,8 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 class Trainer:
-    """Model, optimizer and one step; the pieces the eager and compiled runs share."""
+    """Model, optimizer and one step; the pieces the eager and compiled runs share (the compiled run compiles
+    this model's blocks in place)."""
 
     def __init__(self, config, device: torch.device, precision: str, lr: float) -> None:
         from lightning_mm.models.vlm import VisionLanguageModel
@@ -552,7 +554,6 @@ class Trainer:
         with torch.device(device):  # built in place on the GPU: no 1B-parameter init on the CPU
             self.model = VisionLanguageModel(config)
         self.model.train()
-        self.step_model = self.model
         fused = {"fused": True} if device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01, **fused)
 
@@ -563,7 +564,7 @@ class Trainer:
 
     def step(self, batch) -> torch.Tensor:
         with self.autocast():
-            losses = self.compute_losses(self.step_model(batch), batch)
+            losses = self.compute_losses(self.model(batch), batch)
         self.optimizer.zero_grad(set_to_none=True)
         losses.total.backward()
         self.optimizer.step()
@@ -726,7 +727,10 @@ def train_check(args: argparse.Namespace, device: torch.device, report: dict, sa
             comp["skipped"] = f"only {left:.0f} s of --max-seconds left (< --compile-min-seconds)"
         else:
             try:
-                trainer.step_model = torch.compile(trainer.model)
+                from lightning_mm.parallel.compile import compile_blocks
+                from lightning_mm.parallel.fsdp import transformer_blocks
+
+                comp["compiled_blocks"] = compile_blocks(transformer_blocks(trainer.model))
                 _sync(device)
                 t0 = time.perf_counter()
                 for _ in range(2):

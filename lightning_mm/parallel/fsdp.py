@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,12 +26,14 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from lightning_mm.parallel.compile import compile_blocks
 from lightning_mm.parallel.materialize import allocate_on
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
     "apply_activation_checkpointing",
     "apply_fsdp",
+    "checkpoint_and_compile",
     "mixed_precision_policy",
     "transformer_blocks",
 ]
@@ -102,6 +105,18 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
             continue
         composable_checkpoint(block)
         _CHECKPOINTED.add(block)
+
+
+def checkpoint_and_compile(
+    blocks: list[nn.Module], activation_checkpointing: bool, compile_options: dict[str, Any] | None
+) -> None:
+    """What happens to each block between tensor parallelism and FSDP, in torchtitan's order: activation
+    checkpointing (:func:`apply_activation_checkpointing`), then ``torch.compile`` with ``compile_options``
+    (:func:`~lightning_mm.parallel.compile.compile_blocks`; None: not compiled)."""
+    if activation_checkpointing:
+        apply_activation_checkpointing(blocks)
+    if compile_options is not None:
+        compile_blocks(blocks, **compile_options)
 
 
 _CHECKPOINTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()

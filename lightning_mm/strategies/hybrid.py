@@ -10,8 +10,8 @@ Thin glue over :mod:`lightning_mm.parallel` (which has no Lightning imports):
   too) and unless that already parallelised it (it holds DTensors, as with Lightning's ``ModelParallelStrategy``),
   asks the module how it is parallelized (its ``parallel_plan()``,
   :mod:`lightning_mm.parallel.protocol`; when it has none, the plan of the Hugging Face model it holds, else the
-  generic rules) and applies pipeline split -> tensor parallel (+ EP) -> activation checkpointing -> FSDP2 / HSDP,
-  the torchtitan order.
+  generic rules) and applies pipeline split -> tensor parallel (+ EP) -> activation checkpointing -> per-block
+  ``torch.compile`` -> FSDP2 / HSDP, the torchtitan order.
 * Pipeline parallel: the model is cut into this rank's stages, each parallelised in the same order
   (:mod:`lightning_mm.strategies.pipeline_setup`), and ``torch.distributed.pipelining`` schedules run inside
   ``training_step`` / ``validation_step`` (:mod:`lightning_mm.strategies.pipeline_loop`).
@@ -45,14 +45,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mm import checkpoint as ckpt
+from lightning_mm.parallel.compile import compile_options
 from lightning_mm.parallel.dims import DP_SHARD_MOD_EP, MeshAxis, ParallelDims
 from lightning_mm.parallel.experts import expert_fsdp_units, expert_parameters
-from lightning_mm.parallel.fsdp import (
-    apply_activation_checkpointing,
-    apply_fsdp,
-    mixed_precision_policy,
-    transformer_blocks,
-)
+from lightning_mm.parallel.fsdp import apply_fsdp, checkpoint_and_compile, mixed_precision_policy, transformer_blocks
 from lightning_mm.parallel.materialize import empty_where_meta, has_meta_tensors, holds_dtensors, ties_kept
 from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions
 from lightning_mm.parallel.plans import apply_tensor_parallel
@@ -118,6 +114,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
             ``sequence``, ``replicate``. ``None``: the module's own plan (``parallel_plan().tp_plan``; an error if
             it declares none and ``tensor_parallel > 1``).
         activation_checkpointing: recompute every transformer block's activations in backward.
+        compile: ``torch.compile`` each block in place (:mod:`lightning_mm.parallel.compile`); a dict is passed to
+            ``torch.compile`` (``{"mode": "max-autotune"}``). Off by default; recommended on GPUs.
         reshard_after_forward: FSDP2 frees gathered block parameters after forward (ZeRO-3); ``False`` keeps them
             until backward (one all-gather fewer per step, more memory).
         cpu_offload: FSDP2 ``CPUOffloadPolicy`` (sharded parameters, gradients and optimizer step on the CPU).
@@ -165,6 +163,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         expert_placement: str = "modality",
         tp_plan: dict[str, str] | None = None,
         activation_checkpointing: bool = False,
+        compile: bool | dict[str, Any] = False,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
@@ -207,6 +206,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.tp_plan = tp_plan
         self.activation_checkpointing = activation_checkpointing
+        self.compile_options = compile_options(compile)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.allow_cross_node_groups = allow_cross_node_groups
@@ -382,8 +382,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 )
             plan.apply_expert_parallel(dims.get_mesh("ep"), self.expert_placement)
         blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(blocks)
+        checkpoint_and_compile(blocks, self.activation_checkpointing, self.compile_options)
         fsdp_mesh = self._fsdp_mesh()
         if fsdp_mesh is not None:
             self._apply_fsdp(module, blocks, fsdp_mesh, mp_policy)
@@ -482,6 +481,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             microbatches=self._microbatches(),
             sequence_parallel=self.sequence_parallel,
             activation_checkpointing=self.activation_checkpointing,
+            compile_options=self.compile_options,
             cpu_offload=self.cpu_offload,
             fsdp_mesh=self._fsdp_mesh,
             tp_plan=lambda: self._require_tp_plan(module, plan),

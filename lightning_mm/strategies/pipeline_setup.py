@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mm.parallel.dims import ParallelDims
-from lightning_mm.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, transformer_blocks
+from lightning_mm.parallel.fsdp import apply_fsdp, checkpoint_and_compile, transformer_blocks
 from lightning_mm.parallel.materialize import shared_parameters
 from lightning_mm.parallel.pipeline import (
     PipelineSplit,
@@ -136,11 +136,12 @@ def build_pipeline(
     microbatches: int,
     sequence_parallel: bool,
     activation_checkpointing: bool,
+    compile_options: dict[str, Any] | None,
     cpu_offload: bool,
     fsdp_mesh: Callable[[], DeviceMesh | None],
     tp_plan: Callable[[], Mapping[str, str]],
 ) -> PipelineRunner:
-    """Cut ``module`` into this rank's stage(s), then TP -> activation checkpointing -> FSDP2 per stage.
+    """Cut ``module`` into this rank's stage(s), then TP -> activation checkpointing -> compile -> FSDP2 per stage.
 
     ``mp_policy`` is one :func:`check_pipeline_precision` accepted; ``tp_plan()`` gives the module's tensor-parallel
     plan (asked for only with ``dims.tp > 1``, once the stages are cut, so the errors keep their order);
@@ -185,8 +186,7 @@ def build_pipeline(
     for stage_module in stage_modules:
         inside = {id(sub) for sub in stage_module.modules()}
         stage_blocks = [b for b in blocks if id(b) in inside and b is not stage_module]
-        if activation_checkpointing:
-            apply_activation_checkpointing(stage_blocks)
+        checkpoint_and_compile(stage_blocks, activation_checkpointing, compile_options)
         if shard_mesh is not None:
             apply_fsdp(
                 stage_module,

@@ -67,6 +67,7 @@ CONFIGS: dict[str, tuple[int, dict]] = {
     "tp2": (2, {"tensor_parallel": 2}),
     "tp2_sequence_parallel": (2, {"tensor_parallel": 2, "sequence_parallel": True}),
     "fsdp2_activation_checkpointing": (2, {"activation_checkpointing": True}),
+    "fsdp2_compiled": (2, {"compile": True}),  # each block through torch.compile (inductor), eager around them
     "fsdp2xtp2": (4, {"tensor_parallel": 2}),
     "fsdp2xtp2_sequence_parallel_activation_checkpointing": (
         4,
