@@ -1,6 +1,6 @@
 """Per-block ``torch.compile`` (``HybridParallelStrategy(compile=True)``) against eager: step time on this CPU.
 
-    python benchmarks/compile.py [--meshes fsdp2 tp2] [--repeats 3] [--warmup 3] [--steps 8] [--quick]
+    python benchmarks/compile.py [--meshes fsdp2 tp2] [--repeats 4] [--warmup 3] [--steps 8] [--quick]
 
 An HF Llama built from a config (no download; 4 layers, hidden 256, MLP 704, 8 heads / 4 KV heads, vocab 4096,
 ~5.1M parameters), 4 rows x 256 tokens per rank, float32, AdamW, through ``Trainer.fit`` with
@@ -9,8 +9,9 @@ fresh compiled fit, the order alternating (ABBA) so that neither side always run
 untimed steps (the compiled fit's first step compiles; its wall time is reported as ``first_step_seconds``), then
 ``--steps`` timed steps (a callback times ``on_train_batch_start`` -> ``on_train_batch_end`` on every rank; a step
 lasts as long as its slowest rank). Reported per mesh: the median step time of each side, compiled / eager as the
-median of the per-repeat ratios (min - max), and the first (compiling) step. Inductor's on-disk caches make
-later repeats' compile faster; the step times are unaffected.
+median of the per-repeat ratios (min - max), and the first (compiling) step of every repeat. Inductor's on-disk
+caches (``TORCHINDUCTOR_CACHE_DIR``, not reset here) make later repeats' compile faster; the step times are
+unaffected. Batches have one fixed shape: no recompilation, the best case for compile.
 
 Writes ``benchmarks/results/compile.json`` (not with ``--quick``) and prints a table.
 """
@@ -98,7 +99,7 @@ def _slowest_rank(per_rank: list[list[float]]) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--meshes", nargs="+", default=list(MESHES), choices=list(MESHES))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4, help="even: each side runs first equally often")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="1 repeat, 2 + 3 steps, no JSON")

@@ -11,10 +11,12 @@ reported with the estimate, the estimate times ``RESERVED_OVER_ACTIVE`` (measure
 the middle is used) and the ratio of the published figure to that.
 
 A run counts against the planner's goal (+-20 %) only when the planner models every feature it used: FSDP / HSDP,
-tensor parallel with sequence and loss parallel, pipeline parallel (1F1B, GPipe), no or full activation
-checkpointing. The others are listed with the features that are not modelled (selective activation checkpointing,
-torch.compile's fused kernels and saved tensors, float8 linears and all-gathers, context parallel, async TP,
-interleaved schedules), their ratio shown for information only.
+tensor parallel with sequence and loss parallel, pipeline parallel (1F1B, GPipe), no, full or per-op selective
+activation checkpointing (torchtitan's op policy, which ``HybridParallelStrategy(activation_checkpointing=
+"selective")`` applies), torch.compile under activation checkpointing (the saved set is the checkpoint's; compile
+changes transients, which the estimate leaves out). The others are listed with the features that are not modelled
+(layer-level or unstated selective AC, torch.compile without AC, float8 linears and all-gathers, context parallel,
+async TP, interleaved schedules), their ratio shown for information only.
 
 Prints a table and writes ``benchmarks/results/plan_published.json``. Runs in seconds (pure arithmetic).
 """
@@ -53,16 +55,28 @@ def hf_config(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def ac_mode(run: dict[str, Any]) -> bool | str | None:
+    """The run's activation checkpointing as the planner takes it: False, True (full), ``"selective"`` (torchtitan's
+    per-op policy, which ``activation_checkpointing="selective"`` applies), or None (not modelled: layer-level or
+    unstated selective AC)."""
+    ac = str(run.get("ac") or "none")
+    if ac in ("full", "none"):
+        return ac == "full"
+    if ac.startswith(("selective op", "selective (op")):
+        return "selective"
+    return None
+
+
 def unmodelled(run: dict[str, Any]) -> list[str]:
     """The features of ``run`` the planner does not model."""
     missing = []
-    ac = str(run.get("ac") or "none")
-    if ac.startswith("selective"):
-        missing.append(f"selective activation checkpointing ({ac})")
-    elif ac not in ("full", "none"):
-        missing.append(f"activation checkpointing {ac!r}")
-    if run.get("compile"):
-        missing.append("torch.compile (fused kernels save other tensors)")
+    ac = ac_mode(run)
+    if ac is None:
+        missing.append(f"activation checkpointing {run.get('ac')!r}")
+    if run.get("compile") and ac is False:
+        # Under activation checkpointing the saved tensors are the checkpoint's (compile's partitioner keeps the
+        # policy's choices), so compile changes transients only; without it, fused kernels save other tensors.
+        missing.append("torch.compile without activation checkpointing (fused kernels save other tensors)")
     if run.get("float8") not in (None, False, "false", "False"):
         missing.append(f"float8 ({run['float8']})")
     if run["mesh"].get("cp", 1) > 1:
@@ -98,7 +112,7 @@ def estimate(run: dict[str, Any], configs: dict[str, Any]) -> dict[str, Any]:
         precision="bf16-mixed",
     )
     hardware = Hardware(devices=run["gpus"], memory_bytes=95 * GIB, devices_per_node=8)
-    result = evaluate(shape, mesh, workload, hardware, activation_checkpointing=run.get("ac") == "full")
+    result = evaluate(shape, mesh, workload, hardware, activation_checkpointing=ac_mode(run) or False)
     active = result.memory["peak"]
     reserved = active * sum(RESERVED_OVER_ACTIVE) / 2
     published = run["peak_memory_gib"] * GIB

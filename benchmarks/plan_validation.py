@@ -27,7 +27,7 @@ sample per row, as the planner assumes). The second step is measured on every ra
   estimate; goal: within 10 %.
 
 Prints a table and writes ``benchmarks/results/plan_validation.json`` (per model and mesh: estimated, measured, ratio,
-within the goal). ~2-3 min on 2 cores (``--quick``: the 1- and 2-rank meshes only).
+within the goal). ~7 min on 2 cores (``--quick``: the 1- and 2-rank meshes only).
 """
 
 from __future__ import annotations
@@ -88,6 +88,8 @@ RUNS: dict[int, list[tuple[str, str, dict[str, Any]]]] = {
         ("vlm", "single", {}),
         ("vlm", "single+ac", {"activation_checkpointing": True}),
         ("llama", "single", {}),
+        ("llama", "single+ac", {"activation_checkpointing": True}),
+        ("llama", "single+sac", {"activation_checkpointing": "selective"}),
     ],
     2: [
         ("vlm", "fsdp2", {"data_parallel_shard": 2}),
@@ -103,6 +105,32 @@ RUNS: dict[int, list[tuple[str, str, dict[str, Any]]]] = {
         ("llama", "fsdp2", {"data_parallel_shard": 2}),
         ("llama", "tp2", {"tensor_parallel": 2, "data_parallel_shard": 1}),
         ("llama", "tp2+sp", {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}),
+        ("llama", "tp2+ac", {"tensor_parallel": 2, "data_parallel_shard": 1, "activation_checkpointing": True}),
+        (
+            "llama",
+            "tp2+sac",
+            {"tensor_parallel": 2, "data_parallel_shard": 1, "activation_checkpointing": "selective"},
+        ),
+        (
+            "llama",
+            "tp2+sp+ac",
+            {
+                "tensor_parallel": 2,
+                "data_parallel_shard": 1,
+                "sequence_parallel": True,
+                "activation_checkpointing": True,
+            },
+        ),
+        (
+            "llama",
+            "tp2+sp+sac",
+            {
+                "tensor_parallel": 2,
+                "data_parallel_shard": 1,
+                "sequence_parallel": True,
+                "activation_checkpointing": "selective",
+            },
+        ),
         ("llama", "pp2", {"pipeline_parallel": 2, "data_parallel_shard": 1, "microbatches": 2}),
     ],
     4: [
@@ -486,7 +514,7 @@ def compare(model: str, name: str, world: int, kwargs: dict[str, Any], per_rank:
     mesh = mesh_of(world, kwargs)
     shape, workload = shape_and_workload(model, mesh)
     hardware = Hardware(devices=world, memory_bytes=GIB_CPU)
-    estimate = evaluate(shape, mesh, workload, hardware, bool(kwargs.get("activation_checkpointing")))
+    estimate = evaluate(shape, mesh, workload, hardware, kwargs.get("activation_checkpointing", False))
     stages = estimate.memory["stages"]
     memory = []
     for rank, result in enumerate(per_rank):

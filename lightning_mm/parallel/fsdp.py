@@ -25,9 +25,11 @@ from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_mm.parallel.compile import compile_blocks
 from lightning_mm.parallel.materialize import allocate_on
+from lightning_mm.parallel.options import ACTIVATION_CHECKPOINTING_MODES
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
@@ -35,6 +37,7 @@ __all__ = [
     "apply_fsdp",
     "checkpoint_and_compile",
     "mixed_precision_policy",
+    "selective_checkpoint_contexts",
     "transformer_blocks",
 ]
 
@@ -87,8 +90,9 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
-    """Recompute each block's activations in backward instead of storing them (full activation checkpointing).
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str = "full") -> None:
+    """Recompute each block's activations in backward instead of storing them: all of them (``"full"``) or all but
+    the costly ones (``"selective"``, :func:`selective_checkpoint_contexts`).
 
     Apply after tensor parallelism and before FSDP (the torchtitan order): the block's FSDP hooks then wrap the
     checkpointed forward, so parameters are gathered before the recomputation runs in backward.
@@ -100,21 +104,56 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
     checkpointing. It lives under ``torch.distributed._composable`` (no public alias in torch 2.13; it is the
     composable API family ``fully_shard`` came from). Idempotent.
     """
+    if mode not in ACTIVATION_CHECKPOINTING_MODES:
+        raise ValueError(f"mode must be one of {list(ACTIVATION_CHECKPOINTING_MODES)}, got {mode!r}")
     for block in blocks:
         if block in _CHECKPOINTED:
             continue
-        composable_checkpoint(block)
+        composable_checkpoint(block, **({"context_fn": selective_checkpoint_contexts} if mode == "selective" else {}))
         _CHECKPOINTED.add(block)
 
 
+_SAVED_OUTPUTS = frozenset(
+    {
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    }
+)
+_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+
+
+def selective_checkpoint_contexts() -> tuple[Any, Any]:
+    """The contexts of one checkpointed forward under selective activation checkpointing (torchtitan's per-op
+    policy, written for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of fused
+    attention and of the sequence-parallel reduce-scatter are kept (recomputing them costs the most per byte, or a
+    collective), and of every second matrix multiplication (the 1st, 3rd, ... in forward order; half of what the matmuls
+    would keep, for recomputing the other half); everything else (norms, activation functions, rotary embeddings,
+    casts) is recomputed in backward from the block's input. The planner models the same set
+    (:mod:`lightning_mm.planning.hf_shape`)."""
+    matmuls = {False: 0, True: 0}  # seen in forward / in the recomputation (the same order, so the same choices)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _MATMULS:
+            matmuls[ctx.is_recompute] += 1
+            keep = matmuls[ctx.is_recompute] % 2 == 1  # the 1st, 3rd, ...: q, v, gate and down in a Llama layer
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVED_OUTPUTS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def checkpoint_and_compile(
-    blocks: list[nn.Module], activation_checkpointing: bool, compile_options: dict[str, Any] | None
+    blocks: list[nn.Module], activation_checkpointing: str | None, compile_options: dict[str, Any] | None
 ) -> None:
     """What happens to each block between tensor parallelism and FSDP, in torchtitan's order: activation
-    checkpointing (:func:`apply_activation_checkpointing`), then ``torch.compile`` with ``compile_options``
-    (:func:`~lightning_mm.parallel.compile.compile_blocks`; None: not compiled)."""
-    if activation_checkpointing:
-        apply_activation_checkpointing(blocks)
+    checkpointing in mode ``activation_checkpointing`` (:func:`apply_activation_checkpointing`; None: off), then
+    ``torch.compile`` with ``compile_options`` (:func:`~lightning_mm.parallel.compile.compile_blocks`; None: not
+    compiled)."""
+    if activation_checkpointing is not None:
+        apply_activation_checkpointing(blocks, activation_checkpointing)
     if compile_options is not None:
         compile_blocks(blocks, **compile_options)
 

@@ -16,7 +16,29 @@ from lightning_mm.parallel.experts import PLACEMENTS
 from lightning_mm.parallel.pipeline import check_schedule
 from lightning_mm.validation import require_int
 
-__all__ = ["ExpertOptions", "MeshOptions", "PipelineOptions", "expert_parallel_conflicts"]
+__all__ = [
+    "ACTIVATION_CHECKPOINTING_MODES",
+    "ExpertOptions",
+    "MeshOptions",
+    "PipelineOptions",
+    "activation_checkpointing_mode",
+    "expert_parallel_conflicts",
+]
+
+ACTIVATION_CHECKPOINTING_MODES = ("full", "selective")
+
+
+def activation_checkpointing_mode(value: bool | str) -> str | None:
+    """A strategy's ``activation_checkpointing`` argument as a mode: None (off), ``"full"`` (``True``) or
+    ``"selective"``."""
+    if isinstance(value, bool):
+        return "full" if value else None
+    if value in ACTIVATION_CHECKPOINTING_MODES:
+        return value
+    raise ValueError(
+        f"activation_checkpointing must be True, False or one of {list(ACTIVATION_CHECKPOINTING_MODES)}, got {value!r}"
+    )
+
 
 _NOT_WITH_EXPERT_PARALLEL = ("pipeline_parallel", "tensor_parallel", "data_parallel_replicate")
 

@@ -22,6 +22,9 @@ def _gib(value: float) -> str:
     return f"{value / GIB:.2f}"
 
 
+_AC_LABELS = {False: "off", True: "on", "selective": "sel"}
+
+
 def format_table(candidates: Sequence[Candidate], hardware: Hardware, top: int | None = None) -> str:
     """The ranked candidates as text: memory in GiB (MiB when every peak is under 1 GiB), times in ms, bytes in GB."""
     rows = list(candidates)[:top] if top else list(candidates)
@@ -45,7 +48,7 @@ def format_table(candidates: Sequence[Candidate], hardware: Hardware, top: int |
         mesh = c.mesh.label + (f" m{c.microbatches}" if c.mesh.pp > 1 else "")
         t = {k: f"{c.time[k] * 1e3:.3g}" for k in ("step", "compute", "exposed_comm", "bubble")}
         lines.append(
-            f"{i:>3} {mesh:34} {'on' if c.activation_checkpointing else 'off':3} {'yes' if c.fits else 'NO':4} "
+            f"{i:>3} {mesh:34} {_AC_LABELS[c.activation_checkpointing]:3} {'yes' if c.fits else 'NO':4} "
             f"{c.peak_bytes / scale:9.2f} {state / scale:7.2f} {m['activations'] / scale:7.2f} {other / scale:7.2f} "
             f"{m['load'] / scale:7.2f} "
             f"{t['step']:>9} {t['compute']:>9} {t['exposed_comm']:>9} {t['bubble']:>9} "
@@ -70,12 +73,13 @@ _EPILOG = """assumptions (the docstring of lightning_mm/planning/__init__.py has
             strategy shards them (tp, ep, FSDP2 with padding); the batch; FSDP2's unsharded root, and in a block's
             backward that block, the prefetched one and its unsharded gradients (whole stages under pp);
             activations = what autograd saves, per layer from the model's structure (1F1B: min(pp - s, m)
-            microbatches on stage s; AC keeps block inputs and recomputes one block); pipeline buffers; peak = max
+            microbatches on stage s; AC keeps block inputs and recomputes one block; selective AC also keeps
+            attention outputs and every second matmul output); pipeline buffers; peak = max
             over end of forward, each block's backward and the optimizer step. One sample per row, no padding;
             bf16-mixed = FSDP2 bf16 parameters (autocast without FSDP). Leave headroom for the allocator.
   traffic   bytes a rank sends per optimizer step, averaged over ranks, ring formulas: all-gather and
             reduce-scatter (n-1)/n, all-reduce 2(n-1)/n, all-to-all the off-rank share, sends their payload.
-  time      compute = FLOPs (x3 for forward+backward, x4 with AC) / (peak x MFU); FSDP/HSDP traffic overlaps
+  time      compute = FLOPs (x3 for forward+backward, x4 with AC, x3.5 selective) / (peak x MFU); FSDP/HSDP overlaps
             compute (only the excess, at least one unit's share, is exposed); tp / ep / pp traffic fully exposed;
             bubble = (pp-1)/(m+pp-1) of compute. An axis uses the intra-node link when its groups fit in a node.
             No latency term: small messages look cheaper than they are.
@@ -118,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
     parser.add_argument(
         "--activation-checkpointing",
-        choices=("both", "on", "off"),
+        choices=("both", "on", "off", "selective", "all"),
         default="both",
-        help="evaluate every mesh with AC, without, or both (default)",
+        help="evaluate every mesh with full AC, without, or both (default); selective AC alone, or all three",
     )
     parser.add_argument("--top", type=int, default=20, help="rows to print (0: all)")
     parser.add_argument("--show-refused", action="store_true", help="list refused meshes with the reasons")
@@ -162,7 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         mfu=args.mfu,
         usable_memory_fraction=args.usable_memory,
     )
-    ac = {"both": (False, True), "on": (True,), "off": (False,)}[args.activation_checkpointing]
+    ac = {
+        "both": (False, True),
+        "on": (True,),
+        "off": (False,),
+        "selective": ("selective",),
+        "all": (False, "selective", True),
+    }[args.activation_checkpointing]
     candidates, refused = plan(model, workload, hardware, ac)
     info = model.describe()
     print(

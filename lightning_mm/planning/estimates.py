@@ -24,7 +24,7 @@ class Candidate:
     ``fits`` the usable memory, and how the mesh's groups lie on the nodes (``nodes``)."""
 
     mesh: Mesh
-    activation_checkpointing: bool
+    activation_checkpointing: bool | str
     microbatches: int
     accumulation: int
     memory: dict[str, float] = field(default_factory=dict)
@@ -100,10 +100,16 @@ def axis_links(mesh: Mesh, hardware: Hardware) -> dict[str, str]:
 
 
 def bytes_per_axis(
-    model: ModelShape, mesh: Mesh, schedule: StepSchedule, stage_records: list[dict[str, Any]], a: int
+    model: ModelShape,
+    mesh: Mesh,
+    schedule: StepSchedule,
+    stage_records: list[dict[str, Any]],
+    a: int,
+    activation_checkpointing: bool | str = False,
 ) -> dict[str, float]:
     """Bytes a rank sends per optimizer step on each mesh axis (averaged over ranks: stages differ under pp), ring
-    formulas, ``a`` bytes per activation element; ``stage_records`` from :func:`~.memory.stage_memory`."""
+    formulas, ``a`` bytes per activation element; ``stage_records`` from :func:`~.memory.stage_memory`; the
+    tensor-parallel collectives that ``activation_checkpointing`` runs again in backward included."""
     p_bytes, r_bytes = a, REDUCTION_BYTES  # unsharded parameter dtype, reduction dtype
     geo, microbatches, accumulation = schedule.geo, schedule.microbatches, schedule.accumulation
     comm = {axis: 0.0 for axis in AXES}
@@ -120,7 +126,9 @@ def bytes_per_axis(
                 )
                 comm["dp_replicate"] += share * repeats * ring_all_reduce(full / ds * r_bytes, mesh.dp_replicate)
         if mesh.tp > 1:
-            comm["tp"] += share * microbatches * accumulation * model.tp_bytes(units, geo, mesh.tp, a)
+            tp_bytes = model.tp_bytes(units, geo, mesh.tp, a)
+            tp_bytes += model.recomputed_tp_bytes(units, geo, mesh.tp, a, activation_checkpointing)
+            comm["tp"] += share * microbatches * accumulation * tp_bytes
         comm["ep"] += share * accumulation * model.ep_bytes(geo, mesh.ep, a)
     if mesh.pp > 1:
         forward, backward = model.boundary_bytes(geo, a)
@@ -137,14 +145,16 @@ def step_time(
     comm: dict[str, float],
     links: dict[str, str],
     hardware: Hardware,
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | str,
 ) -> dict[str, float]:
     """Seconds of one optimizer step: ``step`` = ``compute`` + ``exposed_comm`` + pipeline ``bubble``; the busiest
     stage's ``flops_per_rank`` (FLOPs) and ``comm_<axis>``, the seconds of each axis's ``comm`` bytes over its link
     (``links``). FSDP / HSDP traffic overlaps compute, the rest is exposed (see the package docstring)."""
     geo, microbatches, accumulation = schedule.geo, schedule.microbatches, schedule.accumulation
     flops = model.unit_flops(geo)
-    factor = 3 + (1 if activation_checkpointing else 0) + (1 if mesh.pp > 1 and model.statistics_pass else 0)
+    # full AC recomputes the forward (+1); selective about half its matmul FLOPs (+0.5)
+    recompute = 0.5 if activation_checkpointing == "selective" else (1 if activation_checkpointing else 0)
+    factor = 3 + recompute + (1 if mesh.pp > 1 and model.statistics_pass else 0)
     stage_flops = [
         sum(flops[u][0] / mesh.tp + flops[u][1] for u in r["_units"]) * factor * microbatches * accumulation
         for r in stage_records
@@ -169,9 +179,14 @@ def step_time(
 
 
 def evaluate(
-    model: ModelShape, mesh: Mesh, workload: Workload, hardware: Hardware, activation_checkpointing: bool = False
+    model: ModelShape,
+    mesh: Mesh,
+    workload: Workload,
+    hardware: Hardware,
+    activation_checkpointing: bool | str = False,
 ) -> Candidate:
-    """Memory, bytes per axis and step time of ``model`` on ``mesh`` (see the package docstring)."""
+    """Memory, bytes per axis and step time of ``model`` on ``mesh`` (see the package docstring);
+    ``activation_checkpointing``: False, True (full) or ``"selective"``."""
     model = model.on(mesh)
     a = workload.act_bytes
     schedule = step_schedule(mesh, workload, hardware)
@@ -182,7 +197,7 @@ def evaluate(
         for s, stage_units in enumerate(stages)
     ]
     busiest = max(stage_records, key=lambda record: record["peak"])
-    comm = bytes_per_axis(model, mesh, schedule, stage_records, a)
+    comm = bytes_per_axis(model, mesh, schedule, stage_records, a, activation_checkpointing)
     return Candidate(
         mesh=mesh,
         activation_checkpointing=activation_checkpointing,
@@ -202,7 +217,10 @@ def evaluate(
 
 
 def plan(
-    model: ModelShape, workload: Workload, hardware: Hardware, activation_checkpointing: Iterable[bool] = (False, True)
+    model: ModelShape,
+    workload: Workload,
+    hardware: Hardware,
+    activation_checkpointing: Iterable[bool | str] = (False, True),
 ) -> tuple[list[Candidate], list[tuple[Mesh, list[str]]]]:
     """Evaluate every accepted mesh (with and without AC); return ``(ranked candidates, refused meshes)``."""
     accepted, refused = candidate_meshes(model, workload, hardware)

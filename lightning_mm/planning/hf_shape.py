@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_mm.planning.collectives import ring_all_gather, ring_all_reduce
+from lightning_mm.planning.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from lightning_mm.planning.mesh import Mesh
 from lightning_mm.planning.shapes import INDEX, STATS, ModelShape, ParamShape, sdpa_saved_bytes
 from lightning_mm.planning.workload import Geometry
@@ -145,6 +145,18 @@ class CausalLMShape(ModelShape):
         per_token = 2 * self._norm_saved(tp, a) + sdpa_saved_bytes(a, q, kvd, self.heads, tp) + mlp
         return geo.n_tokens * per_token
 
+    def block_selective_bytes(self, block: str, geo: Geometry, tp: int, a: int) -> float:
+        """Per token: the block input; SDPA's output and fp32 log-sum-exp (heads sharded by tp); under sequence
+        parallel the two reduce-scatter outputs; and the outputs of the 1st, 3rd, 5th and 7th matmul (q, v, gate
+        sharded by tp; down's local output, a partial sum of the whole hidden width under tp)."""
+        q, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        sp = self.sequence_parallel
+        per_token = a * self.hidden / (tp if sp else 1)  # input
+        per_token += a * q / tp + STATS * self.heads / tp  # attention output, log-sum-exp
+        per_token += 2 * a * self.hidden / tp if sp else 0.0  # reduce-scatter outputs (o, down)
+        per_token += a * ((q + kvd + self.intermediate) / tp + self.hidden)  # q, v, gate, down
+        return geo.n_tokens * per_token
+
     def block_input_bytes(self, block: str, geo: Geometry, a: int) -> float:
         return geo.n_tokens * self.hidden * a / (self.tp_degree if self.sequence_parallel else 1)
 
@@ -191,6 +203,25 @@ class CausalLMShape(ModelShape):
             else:
                 total += ring_all_gather(geo.n_tokens * self.vocab_size * a, tp) + head_input
         return total
+
+    def recomputed_tp_bytes(
+        self, units: set[str], geo: Geometry, tp: int, a: int, activation_checkpointing: bool | str
+    ) -> float:
+        """Per layer, what the recomputation runs again: under sequence parallel the attention and MLP inputs'
+        all-gathers and (full AC) the attention output's reduce-scatter; without it the attention output's
+        all-reduce. Selective AC keeps the reduce-scatters' outputs. Neither re-runs the MLP output's reduce-scatter
+        / all-reduce: torch stops a non-reentrant recomputation once it has rebuilt the last tensor backward needs
+        (``torch.utils.checkpoint.set_checkpoint_early_stop``), and the block's own output is not one of them.
+        Measured in ``benchmarks/plan_validation.py`` (tp2, tp2 + sp, full and selective)."""
+        if not activation_checkpointing:
+            return 0.0
+        size = geo.n_tokens * self.hidden * a
+        if self.sequence_parallel:
+            scatter = 0.0 if activation_checkpointing == "selective" else ring_reduce_scatter(size, tp)
+            per_block = 2 * ring_all_gather(size, tp) + scatter
+        else:
+            per_block = ring_all_reduce(size, tp)
+        return len(self.blocks_of(units)) * per_block
 
     def boundary_bytes(self, geo: Geometry, a: int) -> tuple[float, float]:
         hidden = geo.n_tokens * self.hidden * a

@@ -133,13 +133,25 @@ class StageActivations:
 
 
 def stage_activations(
-    model: ModelShape, mesh: Mesh, geo: Geometry, units: set[str], first: bool, last: bool, a: int, checkpointed: bool
+    model: ModelShape,
+    mesh: Mesh,
+    geo: Geometry,
+    units: set[str],
+    first: bool,
+    last: bool,
+    a: int,
+    checkpointed: bool | str,
 ) -> StageActivations:
     """The saved activations of one microbatch ``geo`` on the stage holding ``units`` (``a``: bytes per activation
-    element; ``checkpointed``: activation checkpointing on)."""
+    element; ``checkpointed``: activation checkpointing, ``True`` (full) or ``"selective"``)."""
     blocks = model.blocks_of(units)
     block_saved = [model.block_activation_bytes(b, geo, mesh.tp, a) for b in blocks]
-    block_kept = [model.block_input_bytes(b, geo, a) for b in blocks] if checkpointed else list(block_saved)
+    if checkpointed == "selective":
+        block_kept = [model.block_selective_bytes(b, geo, mesh.tp, a) for b in blocks]
+    elif checkpointed:
+        block_kept = [model.block_input_bytes(b, geo, a) for b in blocks]
+    else:
+        block_kept = list(block_saved)
     extra = model.extra_activation_bytes(units, first, last, geo, mesh.tp, a)
     if mesh.pp > 1 and not last:
         extra += model.boundary_bytes(geo, a)[0]  # the stage output kept for its backward
@@ -211,7 +223,7 @@ def stage_memory(
     stage_units: list[str],
     last: bool,
     a: int,
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | str,
 ) -> dict[str, Any]:
     """Bytes alive on one rank of pipeline stage ``stage`` (holding ``stage_units``; ``last``: the last stage) in an
     optimizer step, with ``a`` bytes per activation element: the terms (``params``, ``grads``, ``optimizer``,

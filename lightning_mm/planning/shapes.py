@@ -81,6 +81,12 @@ class ModelShape:
         """What activation checkpointing keeps of a block: its tensor inputs."""
         raise NotImplementedError
 
+    def block_selective_bytes(self, block: str, geo: Geometry, tp: int, a: int) -> float:
+        """What selective activation checkpointing keeps of a block (``activation_checkpointing="selective"``,
+        :func:`lightning_mm.parallel.fsdp.selective_checkpoint_contexts`): its inputs, attention outputs, sequence-
+        parallel reduce-scatter outputs and every second matmul output. Models that do not say keep everything."""
+        return self.block_activation_bytes(block, geo, tp, a)
+
     def extra_activation_bytes(self, units: set[str], first: bool, last: bool, geo: Geometry, tp: int, a: int) -> float:
         """Saved activations outside the blocks of a stage holding ``units`` (inputs, embeddings, pooling, loss)."""
         raise NotImplementedError
@@ -104,6 +110,13 @@ class ModelShape:
     def tp_bytes(self, units: set[str], geo: Geometry, tp: int, a: int) -> float:
         """Bytes one tp rank sends per microbatch (forward + backward) for the units it holds."""
         raise NotImplementedError
+
+    def recomputed_tp_bytes(
+        self, units: set[str], geo: Geometry, tp: int, a: int, activation_checkpointing: bool | str
+    ) -> float:
+        """Bytes one tp rank sends again per microbatch when activation checkpointing re-runs the blocks' forward
+        collectives in backward. Not modelled for this model: 0."""
+        return 0.0
 
     def boundary_bytes(self, geo: Geometry, a: int) -> tuple[float, float]:
         """``(forward, backward)`` bytes crossing one pipeline stage boundary per microbatch."""

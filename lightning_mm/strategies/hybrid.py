@@ -50,7 +50,7 @@ from lightning_mm.parallel.dims import DP_SHARD_MOD_EP, MeshAxis, ParallelDims
 from lightning_mm.parallel.experts import expert_fsdp_units, expert_parameters
 from lightning_mm.parallel.fsdp import apply_fsdp, checkpoint_and_compile, mixed_precision_policy, transformer_blocks
 from lightning_mm.parallel.materialize import empty_where_meta, has_meta_tensors, holds_dtensors, ties_kept
-from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions
+from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions, activation_checkpointing_mode
 from lightning_mm.parallel.plans import apply_tensor_parallel
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
 from lightning_mm.strategies import checkpointing, pipeline_loop, pipeline_setup
@@ -113,7 +113,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         tp_plan: ``{fqn_pattern: style}`` relative to the LightningModule, styles ``colwise``, ``rowwise``,
             ``sequence``, ``replicate``. ``None``: the module's own plan (``parallel_plan().tp_plan``; an error if
             it declares none and ``tensor_parallel > 1``).
-        activation_checkpointing: recompute every transformer block's activations in backward.
+        activation_checkpointing: recompute every transformer block's activations in backward (``True`` /
+            ``"full"``), or all but attention and every second matmul output (``"selective"``, torchtitan's default).
         compile: ``torch.compile`` each block in place (:mod:`lightning_mm.parallel.compile`); a dict is passed to
             ``torch.compile`` (``{"mode": "max-autotune"}``). Off by default; recommended on GPUs.
         reshard_after_forward: FSDP2 frees gathered block parameters after forward (ZeRO-3); ``False`` keeps them
@@ -162,7 +163,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         expert_parallel: int = 1,
         expert_placement: str = "modality",
         tp_plan: dict[str, str] | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | Literal["full", "selective"] = False,
         compile: bool | dict[str, Any] = False,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
@@ -205,7 +206,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.virtual_stages, self.pipeline_shape = pipeline.virtual_stages, pipeline.shape
         self.sequence_parallel = sequence_parallel
         self.tp_plan = tp_plan
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing = activation_checkpointing_mode(activation_checkpointing)  # None / mode
         self.compile_options = compile_options(compile)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
@@ -361,7 +362,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if holds_dtensors(module):
             rank_zero_info(
                 f"{type(module).__name__} holds DTensor parameters after configure_model (it parallelised itself): "
-                "the strategy applies no plan"
+                "the strategy applies no plan (nor activation_checkpointing / compile: apply them there too)"
             )
             return None
         dims = self.parallel_dims

@@ -135,7 +135,7 @@ def build_pipeline(
     schedule: str,
     microbatches: int,
     sequence_parallel: bool,
-    activation_checkpointing: bool,
+    activation_checkpointing: str | None,
     compile_options: dict[str, Any] | None,
     cpu_offload: bool,
     fsdp_mesh: Callable[[], DeviceMesh | None],

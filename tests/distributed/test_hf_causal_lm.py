@@ -5,7 +5,8 @@ fsdp2 (2 ranks), tp2 (2), pp2 (2, 1F1B, auto split) and pp2 x fsdp2 (4): 5 AdamW
 batches with padding, in float32. LLaVA: fsdp2 and pp2 (vision tower, projector and embeddings on stage 0) likewise;
 Llama with LoRA adapters: pp2 (the adapters travel with their layers), tp2 and tp2 x fsdp2 (each adapter split like
 its base layer). Qwen2 with a tied embedding and LM head: tp2, tp2 x fsdp2, pp2. A user's own LightningModule
-holding an LlamaForCausalLM, with no plan and no split: tp2, pp2. fsdp2 with activation checkpointing too. Llama with
+holding an LlamaForCausalLM, with no plan and no split: tp2, pp2. fsdp2 with activation checkpointing too, and
+selective activation checkpointing on fsdp2 and tp2 + sequence parallel. Llama with
 every decoder layer through ``torch.compile`` (``compile=True``, inductor): fsdp2, tp2, fsdp2 + activation
 checkpointing, pp2.
 bf16-mixed under fsdp2 runs and stays within 2 % of the fp32 losses.
@@ -75,6 +76,17 @@ MESHES = {
     # sequence parallel between the layers' TP regions (and, as under every tp mesh, loss parallel)
     "tp2_sp": (2, {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}),
     "tp2_sp_fsdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2, "sequence_parallel": True}),
+    # selective activation checkpointing (attention, the reduce-scatter and every second matmul kept)
+    "fsdp2_sac": (2, {"data_parallel_shard": 2, "activation_checkpointing": "selective"}),
+    "tp2_sp_sac": (
+        2,
+        {
+            "tensor_parallel": 2,
+            "data_parallel_shard": 1,
+            "sequence_parallel": True,
+            "activation_checkpointing": "selective",
+        },
+    ),
     # each decoder layer through torch.compile (inductor), eager around it
     "fsdp2_compiled": (2, {"data_parallel_shard": 2, "compile": True}),
     "tp2_compiled": (2, {"tensor_parallel": 2, "data_parallel_shard": 1, "compile": True}),
@@ -197,6 +209,8 @@ def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
     L.seed_everything(SEED, verbose=False)
     module = _module(model, config, extra)
     strategy = HybridParallelStrategy(**MESHES[mesh][1])
+    # a block that dynamo gives up on (too many recompilations) would run eagerly and pass unnoticed
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     fit = trainer(world, strategy, precision)
     dp_rank, dp = strategy_dp(rank, world, mesh)
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(dp_rank, dp), batch_size=None))
@@ -248,6 +262,7 @@ def _losses(run: dict) -> torch.Tensor:
     + [("qwen2_tied", "pp2"), ("qwen2_tied", "pp2_fsdp2"), ("llama_lora", "tp2_fsdp2")]  # (tp2 without sp: llama)
     + [("user_llama", mesh) for mesh in ("tp2", "pp2")]
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
+    + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]
     + [
         (model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")
     ],

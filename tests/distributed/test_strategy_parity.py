@@ -67,6 +67,7 @@ CONFIGS: dict[str, tuple[int, dict]] = {
     "tp2": (2, {"tensor_parallel": 2}),
     "tp2_sequence_parallel": (2, {"tensor_parallel": 2, "sequence_parallel": True}),
     "fsdp2_activation_checkpointing": (2, {"activation_checkpointing": True}),
+    "fsdp2_selective_activation_checkpointing": (2, {"activation_checkpointing": "selective"}),
     "fsdp2_compiled": (2, {"compile": True}),  # each block through torch.compile (inductor), eager around them
     "fsdp2xtp2": (4, {"tensor_parallel": 2}),
     "fsdp2xtp2_sequence_parallel_activation_checkpointing": (
@@ -92,6 +93,8 @@ def _fit_reference_vlm(
     the module is built inside ``trainer.init_module(empty_init=True)`` (on the meta device, initialised shard by
     shard after parallelisation)."""
     L.seed_everything(SEED, verbose=False)
+    # compile=True: a block that dynamo gives up on (too many recompilations) would run eagerly and pass unnoticed
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     if kwargs is None:
         strategy, dp_rank, dp_size = "auto", 0, 1
     else:

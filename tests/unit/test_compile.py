@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
-from lightning_mm.parallel.compile import compile_blocks, compile_options
+from lightning_mm.parallel.compile import RECOMPILE_LIMIT, compile_blocks, compile_options
 from lightning_mm.strategies import HybridParallelStrategy
 
 
@@ -49,14 +49,28 @@ def test_compiled_blocks_share_one_graph_and_keep_outputs_gradients_and_names():
 
 
 def test_compile_argument():
+    limit = {"recompile_limit": RECOMPILE_LIMIT}
     assert compile_options(False) is None
-    assert compile_options(True) == {}
-    assert compile_options({"mode": "max-autotune", "dynamic": False}) == {"mode": "max-autotune", "dynamic": False}
+    assert compile_options({"disable": True}) is None
+    assert compile_options(True) == limit
+    autotune = {"mode": "max-autotune", "dynamic": False}
+    assert compile_options(autotune) == autotune | limit
+    assert compile_options({"recompile_limit": 4}) == {"recompile_limit": 4}
     with pytest.raises(ValueError, match=r"compile: unknown torch.compile argument\(s\) \['fullgraf'\]"):
         compile_options({"fullgraf": True})
+    # values are checked by torch.compile itself, where the argument is given
+    with pytest.raises(ValueError, match="Unrecognized mode=max-autotun"):
+        compile_options({"mode": "max-autotun"})
+    with pytest.raises(ValueError, match="Invalid backend: 'inductr'"):
+        compile_options({"backend": "inductr"})
     with pytest.raises(ValueError, match="compile must be a bool or a dict"):
         compile_options("inductor")
     with pytest.raises(ValueError, match="compile must be a bool or a dict"):
         HybridParallelStrategy(compile="yes")  # refused where it is given, before any process starts
-    assert HybridParallelStrategy(compile=True).compile_options == {}
+    assert HybridParallelStrategy(compile=True).compile_options == limit
     assert HybridParallelStrategy().compile_options is None  # off unless asked for
+
+
+def test_a_model_without_blocks_is_told_that_nothing_is_compiled():
+    with pytest.warns(UserWarning, match="nothing is compiled"):
+        assert compile_blocks([], backend="eager") == 0

@@ -115,6 +115,26 @@ def test_activation_checkpointing_reduces_activation_memory(llama, vlm_tiny):
         assert checkpointed.time["compute"] == pytest.approx(plain.time["compute"] * 4 / 3)  # one more forward
 
 
+def test_selective_activation_checkpointing_sits_between_none_and_full(llama):
+    """Selective AC keeps more than the block inputs and less than everything, recomputes about half the matmul
+    FLOPs, and under tp + sp sends the recomputed all-gathers again (full AC also the attention output's
+    reduce-scatter; the block output's is never recomputed)."""
+    workload, hardware = fp32(tokens=32, micro=4, global_batch=4), Hardware(devices=2)  # one microbatch per step
+    runs = {
+        ac: evaluate(llama, Mesh(tp=2, sp=True), workload, hardware, activation_checkpointing=ac)
+        for ac in (False, "selective", True)
+    }
+    acts = {ac: run.memory["activations"] for ac, run in runs.items()}
+    assert acts[True] < acts["selective"] < acts[False]
+    assert runs["selective"].time["compute"] == pytest.approx(runs[False].time["compute"] * 3.5 / 3)
+    size = 4 * 32 * llama.hidden * 4  # one block's activation, n_tokens x hidden x fp32
+    gathers = llama.layers * 2 * ring_all_gather(size, 2)
+    scatters = llama.layers * ring_reduce_scatter(size, 2)
+    assert runs["selective"].comm_bytes["tp"] == pytest.approx(runs[False].comm_bytes["tp"] + gathers)
+    assert runs[True].comm_bytes["tp"] == pytest.approx(runs[False].comm_bytes["tp"] + gathers + scatters)
+    assert format_table([runs["selective"]], hardware).splitlines()[2].split()[2] == "sel"  # the AC column
+
+
 def test_pipeline_keeps_more_microbatches_on_the_first_stage(llama):
     candidate = evaluate(llama, Mesh(pp=2), fp32(tokens=8, micro=1, global_batch=4), Hardware(devices=2))
     first, last = candidate.memory["stages"]
