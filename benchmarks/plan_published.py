@@ -13,8 +13,9 @@ the middle is used) and the ratio of the published figure to that.
 A run counts against the planner's goal (+-20 %) only when the planner models every feature it used: FSDP / HSDP,
 tensor parallel with sequence and loss parallel, pipeline parallel (1F1B, GPipe), no, full or per-op selective
 activation checkpointing (torchtitan's op policy, which ``HybridParallelStrategy(activation_checkpointing=
-"selective")`` applies), torch.compile under activation checkpointing (the saved set is the checkpoint's; compile
-changes transients, which the estimate leaves out). The others are listed with the features that are not modelled
+"selective")`` applies), torch.compile under activation checkpointing (assumed: the saved set is the checkpoint's
+and compile changes transients, which the estimate leaves out; not measured, and the paired published runs are
+6.6-7.5 % lower with compile). The others are listed with the features that are not modelled
 (layer-level or unstated selective AC, torch.compile without AC, float8 linears and all-gathers, context parallel,
 async TP, interleaved schedules), their ratio shown for information only.
 

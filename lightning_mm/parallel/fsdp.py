@@ -125,14 +125,23 @@ _SAVED_OUTPUTS = frozenset(
 _MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
 
 
+def _dropout_p(op: Any, args: tuple, kwargs: dict) -> float:
+    """An attention op's ``dropout_p`` argument (0 when it has none)."""
+    for index, argument in enumerate(op._schema.arguments):
+        if argument.name == "dropout_p":
+            return float(kwargs.get("dropout_p", args[index] if index < len(args) else 0.0))
+    return 0.0
+
+
 def selective_checkpoint_contexts() -> tuple[Any, Any]:
     """The contexts of one checkpointed forward under selective activation checkpointing (torchtitan's per-op
     policy, written for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of fused
     attention and of the sequence-parallel reduce-scatter are kept (recomputing them costs the most per byte, or a
     collective), and of every second matrix multiplication (the 1st, 3rd, ... in forward order; half of what the matmuls
     would keep, for recomputing the other half); everything else (norms, activation functions, rotary embeddings,
-    casts) is recomputed in backward from the block's input. The planner models the same set
-    (:mod:`lightning_mm.planning.hf_shape`)."""
+    casts) is recomputed in backward from the block's input, and so is attention with dropout (see the policy).
+    The planner models the same set for dropout-free attention (:mod:`lightning_mm.planning.hf_shape`). Not with
+    ``torch.compile`` (refused by :func:`~lightning_mm.parallel.options.activation_checkpointing_mode`)."""
     matmuls = {False: 0, True: 0}  # seen in forward / in the recomputation (the same order, so the same choices)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -140,7 +149,10 @@ def selective_checkpoint_contexts() -> tuple[Any, Any]:
             matmuls[ctx.is_recompute] += 1
             keep = matmuls[ctx.is_recompute] % 2 == 1  # the 1st, 3rd, ...: q, v, gate and down in a Llama layer
             return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in _SAVED_OUTPUTS else CheckpointPolicy.PREFER_RECOMPUTE
+        # Attention with dropout is recomputed: kept, it would not draw from the generator when backward replays the
+        # block (whose random state the checkpoint restores), so every random op after it would draw another mask.
+        keep = op in _SAVED_OUTPUTS and not _dropout_p(op, args, kwargs) > 0
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 

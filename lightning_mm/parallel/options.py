@@ -28,16 +28,24 @@ __all__ = [
 ACTIVATION_CHECKPOINTING_MODES = ("full", "selective")
 
 
-def activation_checkpointing_mode(value: bool | str) -> str | None:
+def activation_checkpointing_mode(value: bool | str, compiled: bool = False) -> str | None:
     """A strategy's ``activation_checkpointing`` argument as a mode: None (off), ``"full"`` (``True``) or
-    ``"selective"``."""
+    ``"selective"``; ``compiled``: the blocks are also compiled, which selective checkpointing is refused with (its
+    policy sees the ops that run, and a compiled block runs fused kernels the policy does not recognise, so it would
+    keep nothing: full checkpointing's memory and recomputation under another name)."""
     if isinstance(value, bool):
         return "full" if value else None
-    if value in ACTIVATION_CHECKPOINTING_MODES:
-        return value
-    raise ValueError(
-        f"activation_checkpointing must be True, False or one of {list(ACTIVATION_CHECKPOINTING_MODES)}, got {value!r}"
-    )
+    if value not in ACTIVATION_CHECKPOINTING_MODES:
+        raise ValueError(
+            f"activation_checkpointing must be True, False or one of {list(ACTIVATION_CHECKPOINTING_MODES)}, "
+            f"got {value!r}"
+        )
+    if value == "selective" and compiled:
+        raise ValueError(
+            "activation_checkpointing='selective' with compile: the selective policy does not see inside compiled "
+            "blocks (it would keep nothing); use activation_checkpointing=True with compile, or selective without"
+        )
+    return value
 
 
 _NOT_WITH_EXPERT_PARALLEL = ("pipeline_parallel", "tensor_parallel", "data_parallel_replicate")

@@ -79,7 +79,8 @@ _EPILOG = """assumptions (the docstring of lightning_mm/planning/__init__.py has
             bf16-mixed = FSDP2 bf16 parameters (autocast without FSDP). Leave headroom for the allocator.
   traffic   bytes a rank sends per optimizer step, averaged over ranks, ring formulas: all-gather and
             reduce-scatter (n-1)/n, all-reduce 2(n-1)/n, all-to-all the off-rank share, sends their payload.
-  time      compute = FLOPs (x3 for forward+backward, x4 with AC, x3.5 selective) / (peak x MFU); FSDP/HSDP overlaps
+  time      compute = FLOPs (x3 for forward+backward, x4 with AC, x3 + the recomputed matmul share with selective
+            AC) / (peak x MFU); FSDP/HSDP traffic overlaps
             compute (only the excess, at least one unit's share, is exposed); tp / ep / pp traffic fully exposed;
             bubble = (pp-1)/(m+pp-1) of compute. An axis uses the intra-node link when its groups fit in a node.
             No latency term: small messages look cheaper than they are.

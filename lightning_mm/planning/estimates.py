@@ -152,8 +152,11 @@ def step_time(
     (``links``). FSDP / HSDP traffic overlaps compute, the rest is exposed (see the package docstring)."""
     geo, microbatches, accumulation = schedule.geo, schedule.microbatches, schedule.accumulation
     flops = model.unit_flops(geo)
-    # full AC recomputes the forward (+1); selective about half its matmul FLOPs (+0.5)
-    recompute = 0.5 if activation_checkpointing == "selective" else (1 if activation_checkpointing else 0)
+    # full AC recomputes the forward (+1); selective the share of the matmuls it did not keep
+    if activation_checkpointing == "selective":
+        recompute = model.selective_recompute_fraction()
+    else:
+        recompute = 1 if activation_checkpointing else 0
     factor = 3 + recompute + (1 if mesh.pp > 1 and model.statistics_pass else 0)
     stage_flops = [
         sum(flops[u][0] / mesh.tp + flops[u][1] for u in r["_units"]) * factor * microbatches * accumulation
@@ -178,6 +181,16 @@ def step_time(
     }
 
 
+def checkpointing_mode(value: bool | str | None) -> bool | str:
+    """False (none), True (full; also ``"full"``) or ``"selective"``: the strategy's ``activation_checkpointing``
+    values, as the estimates take them."""
+    if value in (None, False, True, "selective"):
+        return bool(value) if value != "selective" else value
+    if value == "full":
+        return True
+    raise ValueError(f"activation_checkpointing must be False, True, 'full' or 'selective', got {value!r}")
+
+
 def evaluate(
     model: ModelShape,
     mesh: Mesh,
@@ -186,7 +199,8 @@ def evaluate(
     activation_checkpointing: bool | str = False,
 ) -> Candidate:
     """Memory, bytes per axis and step time of ``model`` on ``mesh`` (see the package docstring);
-    ``activation_checkpointing``: False, True (full) or ``"selective"``."""
+    ``activation_checkpointing``: False, True / ``"full"`` or ``"selective"``."""
+    activation_checkpointing = checkpointing_mode(activation_checkpointing)
     model = model.on(mesh)
     a = workload.act_bytes
     schedule = step_schedule(mesh, workload, hardware)

@@ -84,8 +84,15 @@ class ModelShape:
     def block_selective_bytes(self, block: str, geo: Geometry, tp: int, a: int) -> float:
         """What selective activation checkpointing keeps of a block (``activation_checkpointing="selective"``,
         :func:`lightning_mm.parallel.fsdp.selective_checkpoint_contexts`): its inputs, attention outputs, sequence-
-        parallel reduce-scatter outputs and every second matmul output. Models that do not say keep everything."""
-        return self.block_activation_bytes(block, geo, tp, a)
+        parallel reduce-scatter outputs and every second matmul output. Modelled for HF decoders only."""
+        raise ValueError(
+            f"activation_checkpointing='selective' is not modelled for {self.name}: the planner models it for "
+            "Hugging Face decoder configs; evaluate this model with full checkpointing or none"
+        )
+
+    def selective_recompute_fraction(self) -> float:
+        """The share of a block's forward FLOPs that selective checkpointing runs again in backward."""
+        raise NotImplementedError
 
     def extra_activation_bytes(self, units: set[str], first: bool, last: bool, geo: Geometry, tp: int, a: int) -> float:
         """Saved activations outside the blocks of a stage holding ``units`` (inputs, embeddings, pooling, loss)."""

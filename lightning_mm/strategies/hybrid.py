@@ -206,8 +206,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.virtual_stages, self.pipeline_shape = pipeline.virtual_stages, pipeline.shape
         self.sequence_parallel = sequence_parallel
         self.tp_plan = tp_plan
-        self.activation_checkpointing = activation_checkpointing_mode(activation_checkpointing)  # None / mode
-        self.compile_options = compile_options(compile)
+        self.compile_options = compiled = compile_options(compile)
+        self.activation_checkpointing = activation_checkpointing_mode(activation_checkpointing, compiled is not None)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.allow_cross_node_groups = allow_cross_node_groups

@@ -103,3 +103,9 @@ def test_activation_checkpointing_argument():
     with pytest.raises(ValueError, match="activation_checkpointing must be"):
         HybridParallelStrategy(activation_checkpointing="sometimes")  # refused where it is given
     assert HybridParallelStrategy(activation_checkpointing="selective").activation_checkpointing == "selective"
+    # the selective policy does not see inside compiled blocks: refused together, full checkpointing is not
+    with pytest.raises(ValueError, match="'selective' with compile"):
+        HybridParallelStrategy(activation_checkpointing="selective", compile=True)
+    assert HybridParallelStrategy(activation_checkpointing=True, compile=True).activation_checkpointing == "full"
+    disabled = HybridParallelStrategy(activation_checkpointing="selective", compile={"disable": True})
+    assert disabled.compile_options is None
