@@ -44,7 +44,7 @@ def _fit(rank: int, world: int, strategy_name: str, codec: dict | None, director
     from lightning_mm.strategies import HybridParallelStrategy
 
     L.seed_everything(1234, verbose=False)
-    module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=2e-3)
+    module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=1e-3)
     batches = shard_batches(random_samples(8 * STEPS, seed=5), 8, rank, world)
     recorder, counted = LossRecorder(), _Bytes()
     # The compression callback first: it logs its counters in on_train_batch_end before _Bytes reads them.
@@ -95,12 +95,18 @@ def test_t1_trains_close_to_plain_at_over_7x_fewer_bytes(strategy):
     result = _results()[0]
     plain, t1 = result[f"{strategy}_plain"]["losses"], result[f"{strategy}_t1"]["losses"]
     assert t1 != plain  # the codec is really in the path
-    assert t1[-1] < t1[0]
-    # Early AdamW steps on a new batch each step: losses jump by 10-20 % from step to step, and 4-bit codes move each
-    # step's loss by up to ~3 % either way (measured); over the run they stay close. The 1000-step, 3-seed study is
-    # benchmarks/compression_convergence.py.
+    # Each step is a new batch, so single steps say little: the loss of step 7 is above step 0's for plain too. The
+    # run learns when the second half's mean loss is well below the first half's (plain: -9 %).
+    half = STEPS // 2
+    for losses in (plain, t1):
+        assert sum(losses[half:]) < 0.95 * sum(losses[:half]), losses
+    # Learning rate 1e-3 (not the 2e-3 this test used to run at): at 2e-3 the first update overshoots (loss 9.9 ->
+    # 12.1) and the following steps amplify rounding-level differences in the codec: the same rotation computed
+    # three ways (dense fp32 matmul, dense fp64, factored fp32) moved the last step's loss under DDP from 9.52 to
+    # 9.85 to 10.13 (plain 9.11). At 1e-3 T1 follows plain within ~0.5 % a step on average (measured, old and new
+    # codec alike); the 1000-step, 3-seed study is benchmarks/compression_convergence.py.
     gap = sum(abs(a - b) / b for a, b in zip(t1, plain, strict=True)) / len(plain)
-    assert gap < 0.03, gap
+    assert gap < 0.01, gap
     assert result[f"{strategy}_t1"]["ratio"] >= 7.0
 
 

@@ -360,6 +360,43 @@ def test_block_rotation_is_orthogonal_fixed_and_not_a_plain_hadamard(block_size)
         block_rotation(block_size * 3 if block_size > 1 else 3)
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 8, 32, 128, 256])
+def test_factored_rotation_equals_the_dense_matrix_across_chunks(block_size):
+    """The codec rotates with two small Kronecker factors, chunk by chunk; the result is the dense matrix's, on
+    inputs spanning several chunks and a partial last one."""
+    from lightning_mm.parallel.compression.codecs import _CHUNK_ELEMENTS, _factored_rotation
+
+    blocks = torch.randn((2 * _CHUNK_ELEMENTS + 3 * block_size) // block_size, block_size)
+    rotation = _factored_rotation(block_size, blocks.device)
+    dense = block_rotation(block_size)
+    torch.testing.assert_close(rotation.rotate(blocks), blocks @ dense, rtol=0, atol=1e-5)
+    torch.testing.assert_close(rotation.unrotate(blocks), blocks @ dense.T, rtol=0, atol=1e-5)
+    torch.testing.assert_close(rotation.unrotate(rotation.rotate(blocks)), blocks, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, 4096, 4097])
+def test_nibble_packing_round_trips_every_code(count):
+    from lightning_mm.parallel.compression.codecs import _pack_nibbles, _unpack_nibbles
+
+    codes = torch.randint(-8, 8, (count,), dtype=torch.int8)
+    codes[: min(count, 16)] = torch.arange(-8, 8, dtype=torch.int8)[: min(count, 16)]  # every value, if room
+    packed = _pack_nibbles(codes.view(torch.uint8).add(8))
+    assert packed.dtype == torch.uint8 and packed.shape == ((count + 1) // 2,)
+    # Element 2i in the low nibble, 2i + 1 in the high one (the wire format).
+    assert int(packed[0]) & 0x0F == int(codes[0]) + 8
+    assert torch.equal(_unpack_nibbles(packed, count), codes)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_quantization_leaves_its_input_untouched(rotate):
+    x = torch.randn(3 * 128)  # whole blocks: the unrotated path works on a view of x
+    kept = x.clone()
+    codes, scales = quantize_blocks(x, 4, 128, rotate=rotate)
+    assert torch.equal(x, kept)
+    decoded = dequantize_blocks(codes, scales, x.numel(), 4, 128, rotate=rotate)
+    assert (decoded - x).abs().max() < scales.float().max()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_rotated_quantization_error_is_half_a_scale_in_the_rotated_basis(bits):
     numel, block = 1000, 64  # the last block is short: zero-padded, sent whole
