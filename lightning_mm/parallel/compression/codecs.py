@@ -147,6 +147,11 @@ def _round_scale_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     if dtype == torch.float32:
         return scale
+    if dtype == torch.bfloat16:
+        # bf16 is the upper half of fp32's bits: adding 0xFFFF to the bits of a non-negative float before dropping
+        # the lower half rounds it up (values already exact stay): two integer ops instead of five.
+        bits = (scale.contiguous().view(torch.int32) + 0xFFFF) & -0x10000
+        return bits.view(torch.float32).to(torch.bfloat16)
     stored = scale.to(dtype)
     low = stored.float() < scale
     return torch.where(low, torch.nextafter(stored, torch.full_like(stored, math.inf)), stored)
@@ -310,9 +315,8 @@ def quantize_blocks(
     # max |x| per block from two reductions, without writing |x| out (0.8 vs 1.4 ms per 16 MiB on one core).
     absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
     scales = _round_scale_up(absmax / qmax, scale_dtype)  # (nb,)
-    divisor = scales.float()
     # An all-zero block has scale 0; dividing by 1 keeps its codes 0 without a 0/0 NaN.
-    divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
+    divisor = torch.where(scales > 0, scales.float(), 1.0)
     # In place on this function's own temporaries; out of place where ``blocks`` is a view of ``x``.
     scaled = blocks / divisor[:, None] if blocks.data_ptr() == x.data_ptr() else blocks.div_(divisor[:, None])
     codes = scaled.round_().clamp_(-qmax, qmax).to(torch.int8).view(-1)[: code_count(numel, block_size, rotate)]
