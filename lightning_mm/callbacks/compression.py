@@ -9,13 +9,15 @@ comm hook and the FSDP2 custom reduce-scatter live there and work in a hand-writ
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mm.callbacks._common import _rank, _world
@@ -42,6 +44,66 @@ _ADAPTIVE_OPTIMIZERS = (
     torch.optim.RMSprop,
 )
 _STATE_VERSION = 1
+# auto=True: optimizer steps timed each way (alternating, plain first) before deciding.
+AUTO_TRIAL_STEPS = 8
+
+
+class _AutoTrial:
+    """``CompressedAllToAll(auto=True)``: time optimizer steps with the exchange plain and compressed, alternating,
+    then keep the faster for the rest of the fit.
+
+    Whole steps are timed (the interval between the starts of consecutive optimizer steps: compute, data, sync),
+    so the choice includes everything compression changes: bytes on the link, codec time on the compute cores, and
+    the plain collective's own overlap with backward. Every rank measures; the slowest rank's medians decide
+    (ranks must agree: a plain rank would run an all-reduce against its peers' compressed exchange), so the
+    decision is one collective at a step every rank reaches.
+    """
+
+    def __init__(self, steps: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.steps = steps
+        self.clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        self.start: int | None = None
+        """Global step of the first trial step (the first compressed-eligible step of this fit)."""
+        self.decision: bool | None = None
+        """True: compress; False: plain; None: still measuring."""
+        self.measured: dict[str, float] = {}
+        """``plain_seconds`` / ``compressed_seconds`` (median step, slowest rank) once decided."""
+        self._times: dict[bool, list[float]] = {False: [], True: []}
+        self._last: tuple[int, float] | None = None
+
+    def compress_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (an eligible one) sends compressed."""
+        if self.decision is not None:
+            return self.decision
+        if self.start is None:
+            self.start = step + 1  # the fit's first eligible step is plain and not timed (first-step warm-ups)
+        return step >= self.start and (step - self.start) % 2 == 1  # plain, compressed, plain, ...
+
+    def interrupt(self) -> None:
+        """Drop the interval in progress (validation ran inside it)."""
+        self._last = None
+
+    def observe(self, step: int, device: torch.device) -> bool:
+        """Called at every batch start with the global step; True when this call made the decision."""
+        now = self.clock()
+        last, self._last = self._last, (step, now)
+        if self.decision is not None or self.start is None or last is None or last[0] == step:
+            return False  # decided, not started, first call, or a later micro-batch of the same step
+        if last[0] >= self.start:
+            self._times[(last[0] - self.start) % 2 == 1].append(now - last[1])
+        if min(len(times) for times in self._times.values()) < self.steps // 2:
+            return False
+        medians = torch.tensor([statistics.median(self._times[False]), statistics.median(self._times[True])])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            medians = medians.to(device)
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+        plain, compressed = medians.tolist()
+        self.measured = {"plain_seconds": plain, "compressed_seconds": compressed}
+        self.decision = compressed < plain
+        return True
 
 
 def _default_codec(
@@ -150,6 +212,13 @@ class CompressedAllToAll(pl.Callback):
         rotation: rotate each block by a randomized Hadamard matrix before quantizing
             (:func:`~lightning_mm.parallel.compression.block_rotation`; ``block_size`` a power of two), the outlier
             care of 4-bit gradient exchange (SDP4Bit); on by default with the default INT4 codec (see above).
+        auto: compress only where it pays, measured: after ``warmup_steps`` (and ``sparsity_warmup_steps``), one
+            untimed plain step, then ``AUTO_TRIAL_STEPS`` (8) optimizer steps alternate plain / compressed and are
+            timed whole (start of a step to start of the next; an interval holding validation is not counted); the
+            slowest rank's median of each side decides, the faster stays on for the rest of the fit, and rank 0
+            logs both figures and the choice (``auto.decision``, ``auto.measured``). With ample bandwidth the codec's
+            time is not paid back and the exchange stays plain; on a slow link it compresses. Each ``fit`` measures
+            again. ``"grad"`` only.
     """
 
     def __init__(
@@ -165,6 +234,7 @@ class CompressedAllToAll(pl.Callback):
         scale_dtype: Literal["float32", "bfloat16"] | None = None,
         rotation: bool | None = None,
         allow_topk_with_adaptive_optimizer: bool = False,
+        auto: bool = False,
     ) -> None:
         targets = (targets,) if isinstance(targets, str) else tuple(targets)
         if not targets or any(t not in _TARGETS for t in targets):
@@ -198,6 +268,16 @@ class CompressedAllToAll(pl.Callback):
         self.warmup_steps = warmup_steps
         self.sparsity_warmup_steps = sparsity_warmup_steps
         self.error_feedback = "grad" in targets if error_feedback is None else bool(error_feedback)
+        if not isinstance(auto, bool):
+            raise ValueError(f"auto must be a bool, got {auto!r}")
+        if auto and targets != ("grad",):
+            raise ValueError(
+                f"CompressedAllToAll(auto=True, targets={targets!r}): the automatic choice times the gradient "
+                "exchange only; use targets=('grad',)"
+            )
+        self.auto = _AutoTrial(AUTO_TRIAL_STEPS) if auto else None
+        """The plain-vs-compressed trial of ``auto=True`` (None otherwise); ``auto.decision`` and ``auto.measured``
+        tell what it chose and why."""
         self.state = GradCompressionState(self.config, error_feedback=self.error_feedback)
         self.registered: Literal["ddp", "fsdp2"] | None = None
         """Where the gradient codec was installed at the last ``fit`` (None: nothing to compress)."""
@@ -228,6 +308,8 @@ class CompressedAllToAll(pl.Callback):
         # After strategy.setup (the model is wrapped / sharded by now) and before the first backward.
         self.registered = None
         self.state.stats.reset()
+        if self.auto is not None:
+            self.auto.reset()  # each fit measures again (another machine, link or model after a resume)
         if "moe" in self.targets:
             self._install_moe(pl_module)
         if "grad" in self.targets:
@@ -339,12 +421,34 @@ class CompressedAllToAll(pl.Callback):
     ) -> None:
         # global_step is the same on every rank, so all ranks switch on and ramp at the same step (they must agree:
         # an uncompressed rank would run a plain all-reduce against its peers' compressed exchange).
-        ratio = self.topk_ratio_at(trainer.global_step)
+        step = trainer.global_step
+        ratio = self.topk_ratio_at(step)
+        eligible = ratio is not None and step >= self.warmup_steps + self.sparsity_warmup_steps
+        if self.auto is not None and self.registered is not None and eligible:
+            if self.auto.observe(step, pl_module.device):
+                self._report_auto()
+            if not self.auto.compress_at(step):
+                ratio = None
         self.state.active = ratio is not None
         if ratio is not None and ratio != self.state.config.topk_ratio:
             self.state.config = dataclasses.replace(self.config, topk_ratio=ratio)
         self.moe_codec.active = self.state.active
         self.moe_codec.reset()  # drop validation traffic: the moe counters cover one training step
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.auto is not None:
+            self.auto.interrupt()  # a step interval that holds validation would not time the exchange
+
+    def _report_auto(self) -> None:
+        measured = self.auto.measured
+        plain, compressed = measured["plain_seconds"], measured["compressed_seconds"]
+        rank_zero_info(
+            f"CompressedAllToAll(auto=True): over {AUTO_TRIAL_STEPS} alternating optimizer steps (slowest rank's "
+            f"medians) a step took {1e3 * plain:.1f} ms with the plain exchange and {1e3 * compressed:.1f} ms "
+            f"compressed ({100 * (compressed / plain - 1):+.1f} %): the gradient exchange stays "
+            f"{'compressed' if self.auto.decision else 'plain (compression does not pay on this link and machine)'} "
+            "for the rest of this fit"
+        )
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -476,3 +476,63 @@ def test_default_codec_trains_an_hf_llama_with_adamw(strategy):
 @functools.cache
 def _hf_default_results() -> list[dict]:
     return run_distributed(_hf_defaults, WORLD)
+
+
+# --------------------------------------------------------------------------------------------------- auto=True
+
+AUTO_STEPS = 1 + 8 + 3  # one untimed plain step, the 8 trial steps, 3 after the decision
+
+
+class _SlowSide(L.Callback):
+    """Makes one side of the trial cost 1 s more per step (as a slow link would for plain, or a slow codec for
+    compressed), so the right choice is known whatever this machine's own step time is. (The compressed exchange's
+    several small collectives cost 0.2 s a step more than plain when 4 ranks share these 2 cores, measured: the
+    added second has to dominate that.)"""
+
+    def __init__(self, compression: CompressedAllToAll, slow_when_compressed: bool) -> None:
+        self.compression, self.slow_when_compressed = compression, slow_when_compressed
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.compression.state.active == self.slow_when_compressed:
+            import time
+
+            time.sleep(1.0)
+
+
+def _fit_auto(rank: int, world: int, slow_when_compressed: bool) -> dict:
+    L.seed_everything(1234, verbose=False)
+    module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=1e-3)
+    batch = shard_batches(random_samples(8, seed=7), 8, rank, world)[0]
+    compression, metrics = CompressedAllToAll(auto=True), _Metrics()
+    callbacks = [compression, _SlowSide(compression, slow_when_compressed), metrics]
+    trainer = _trainer(world, "ddp", AUTO_STEPS, callbacks)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch] * AUTO_STEPS, batch_size=None))
+    return {
+        "active": [row["compression/active"] for row in metrics.rows],
+        "decision": compression.auto.decision,
+        "measured": compression.auto.measured,
+    }
+
+
+def _auto_runs(rank: int, world: int) -> dict:
+    return {slow: _fit_auto(rank, world, slow) for slow in (False, True)}
+
+
+@functools.cache
+def _auto_results() -> list[dict]:
+    return run_distributed(_auto_runs, WORLD)
+
+
+@pytest.mark.parametrize("slow_when_compressed", [False, True])
+def test_auto_times_both_sides_and_keeps_the_faster(slow_when_compressed):
+    results = [result[slow_when_compressed] for result in _auto_results()]
+    for result in results:
+        trial = [0.0] + [0.0, 1.0] * 4  # untimed plain step, then plain / compressed alternating
+        decided = 0.0 if slow_when_compressed else 1.0
+        assert result["active"] == trial + [decided] * 3, result["active"]
+        assert result["decision"] is (not slow_when_compressed)
+        plain, compressed = result["measured"]["plain_seconds"], result["measured"]["compressed_seconds"]
+        # The slowed side is slower by about the second added, and both ranks saw the same (reduced) figures.
+        slower, faster = (compressed, plain) if slow_when_compressed else (plain, compressed)
+        assert slower - faster > 0.5, result["measured"]
+    assert results[0]["measured"] == results[1]["measured"]

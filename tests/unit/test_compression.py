@@ -453,3 +453,37 @@ def test_rotation_needs_a_power_of_two_block():
         CodecConfig(bits=4, block_size=100, rotation=True)
     with pytest.raises(ValueError, match="power of two"):
         CompressedAllToAll(bits=4, block_size=96, rotation=True)
+
+
+def test_auto_trial_alternates_skips_micro_batches_and_interrupted_intervals():
+    from lightning_mm.callbacks.compression import _AutoTrial
+
+    now = [0.0]
+    trial = _AutoTrial(steps=4, clock=lambda: now[0])
+    seconds = {False: 1.0, True: 0.6}  # compressed steps are faster here
+    pattern = []
+    for step in range(5, 12):
+        for micro_batch in range(2):  # gradient accumulation: two batch starts per optimizer step
+            decided = trial.observe(step, torch.device("cpu"))
+            compress = trial.compress_at(step)
+            if micro_batch == 0:
+                pattern.append(compress)
+            if decided:
+                break
+        if step == 8:
+            trial.interrupt()  # validation inside step 8's interval: not counted
+            now[0] += 100.0
+        now[0] += seconds[compress]
+    # Step 5 (the first of the fit) is plain and untimed; then plain / compressed alternate from step 6. Step 8's
+    # interval was interrupted, so the 2 + 2 samples are complete only at step 11's start, which decides.
+    assert pattern == [False, False, True, False, True, False, True]
+    assert trial.decision is True
+    assert trial.measured == {"plain_seconds": 1.0, "compressed_seconds": pytest.approx(0.6)}
+    assert trial.compress_at(50) is True
+
+
+def test_auto_is_refused_for_the_moe_exchange():
+    with pytest.raises(ValueError, match="auto=True"):
+        CompressedAllToAll(auto=True, targets=("moe",))
+    with pytest.raises(ValueError, match="auto must be a bool"):
+        CompressedAllToAll(auto="yes")
