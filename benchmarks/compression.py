@@ -57,7 +57,7 @@ import lightning_mm
 from lightning_mm.callbacks.compression import CompressedAllToAll
 from lightning_mm.datamodules.web import ImageTextWebDataModule
 from lightning_mm.models import VisionLanguageModel, VLMModule, build_config, compute_losses
-from lightning_mm.parallel.compression import CodecConfig, decode, encode
+from lightning_mm.parallel.compression import AUTO_TRIAL_STEPS, AutoTrial, CodecConfig, decode, encode
 from lightning_mm.testing.launch import run_distributed
 
 # name -> codec (part 1)
@@ -353,6 +353,9 @@ LINK_RUNS: dict[str, dict[str, Any] | None] = {
     "int8": {"bits": 8},
     "int4 (T1)": {"bits": 4, "rotation": True, "scale_dtype": "bfloat16"},
     "T2 H=16, top10% + int4": {"replica_sync": 16, "bits": 4, "topk_ratio": 0.1},
+    # CompressedAllToAll(auto=True)'s trial (the same AutoTrial) in this loop: T1 or uncompressed, chosen after
+    # one untimed plain step and 8 alternating timed steps; those trial steps count in its step times.
+    "auto (T1 or none)": {"bits": 4, "rotation": True, "scale_dtype": "bfloat16", "auto": True},
 }
 _NAMESPACES = ("lmm-bench-a", "lmm-bench-b")
 _VETH = ("lmmbenchva", "lmmbenchvb")
@@ -449,6 +452,8 @@ def _link_worker(args: argparse.Namespace) -> None:
         codec = dict(codec or {})
         every = codec.pop("replica_sync", None)
         run: dict[str, Any] = {"every": every or 1, "times": [], "codec": [], "before": [], "after": []}
+        if codec.pop("auto", False):
+            run["auto"] = AutoTrial(AUTO_TRIAL_STEPS)
         if every is not None:  # T2: each rank a replica, trained on its own; parameters synced every `every` steps
             run["net"], run["group"] = model, None
             run["sync"] = ReplicaSyncState(
@@ -466,7 +471,12 @@ def _link_worker(args: argparse.Namespace) -> None:
     per_round = 16
     for round_start in range(0, len(batches), per_round):
         for run in runs.values():
+            if "auto" in run:
+                run["auto"].interrupt()  # other runs' steps lie between this run's rounds
             for step, batch in enumerate(batches[round_start : round_start + per_round]):
+                if "auto" in run:
+                    run["auto"].observe(round_start + step, torch.device("cpu"))
+                    run["state"].active = run["auto"].compress_at(round_start + step)
                 stats = run["state"].stats if "state" in run else run["sync"].stats if "sync" in run else None
                 if stats is not None:
                     stats.reset()
@@ -499,6 +509,12 @@ def _link_worker(args: argparse.Namespace) -> None:
             "steps": len(run["times"]),
             "sync_every": every,
         }
+        if "auto" in run:
+            row.update(
+                auto_compressed=run["auto"].decision,
+                auto_measured=run["auto"].measured,
+                step_seconds_mean_with_trial=statistics.fmean(run["times"]),
+            )
         if run["after"]:
             row.update(
                 bytes_before=statistics.fmean(run["before"]),

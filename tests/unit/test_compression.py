@@ -456,10 +456,10 @@ def test_rotation_needs_a_power_of_two_block():
 
 
 def test_auto_trial_alternates_skips_micro_batches_and_interrupted_intervals():
-    from lightning_mm.callbacks.compression import _AutoTrial
+    from lightning_mm.parallel.compression import AutoTrial
 
     now = [0.0]
-    trial = _AutoTrial(steps=4, clock=lambda: now[0])
+    trial = AutoTrial(steps=4, clock=lambda: now[0])
     seconds = {False: 1.0, True: 0.6}  # compressed steps are faster here
     pattern = []
     for step in range(5, 12):

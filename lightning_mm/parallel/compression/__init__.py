@@ -10,10 +10,12 @@ Nothing here imports Lightning; a hand-written training loop can use every piece
                  before / after, codec time, break-even bandwidth).
 ``hooks``        :class:`GradCompressionState`, the DDP comm hook (:func:`register_ddp_compression`) and the
                  FSDP2 custom reduce-scatter (:func:`register_fsdp_compression`).
+``auto``         :class:`AutoTrial`: plain or compressed, chosen from timed steps of both.
 
 Every public name is importable from here.
 """
 
+from lightning_mm.parallel.compression.auto import AUTO_TRIAL_STEPS, AutoTrial
 from lightning_mm.parallel.compression.codecs import (
     CodecConfig,
     Encoded,
@@ -45,6 +47,8 @@ from lightning_mm.parallel.compression.hooks import (
 )
 
 __all__ = [
+    "AUTO_TRIAL_STEPS",
+    "AutoTrial",
     "CodecConfig",
     "CommStats",
     "CompressedReduceScatter",
