@@ -486,8 +486,8 @@ AUTO_STEPS = 1 + 8 + 3  # one untimed plain step, the 8 trial steps, 3 after the
 class _SlowSide(L.Callback):
     """Makes one side of the trial cost 1 s more per step (as a slow link would for plain, or a slow codec for
     compressed), so the right choice is known whatever this machine's own step time is. (The compressed exchange's
-    several small collectives cost 0.2 s a step more than plain when 4 ranks share these 2 cores, measured: the
-    added second has to dominate that.)"""
+    several small collectives cost 0.2 s a step more than plain with 6 busy processes on these 2 cores, measured:
+    the added second has to dominate that.)"""
 
     def __init__(self, compression: CompressedAllToAll, slow_when_compressed: bool) -> None:
         self.compression, self.slow_when_compressed = compression, slow_when_compressed
