@@ -147,6 +147,27 @@ def _collectives(rank: int, world: int) -> dict:
     out["nan_positions"] = got.isnan().nonzero().squeeze(1).tolist()
     out["nan_raw_payloads"] = stats.raw_nonfinite
 
+    # Dense codec, two tensors sent as one payload per peer: a NaN (rank 1, tensor 0, chunk 0) sends the payloads
+    # of chunk 0 raw in both phases, so the NaN arrives where it was and chunk 0 of *both* tensors arrives exactly
+    # averaged; chunk 1 of both is quantized as usual.
+    pair = [_varied((3000,), seed=55 + rank), _varied((40, 50), seed=57 + rank)]
+    if rank == 1:
+        pair[0][7] = float("nan")
+    stats = CommStats()
+    got = compressed_all_reduce_coalesced([t.clone() for t in pair], CodecConfig(bits=4, rotation=True), stats=stats)
+    everyone = [torch.empty(3000 + 2000) for _ in range(world)]
+    dist.all_gather(everyone, torch.cat([t.reshape(-1) for t in pair]))
+    average = sum(everyone[1:], everyone[0]) / world
+    out["batch_nan_positions"] = got[0].isnan().nonzero().squeeze(1).tolist()
+    second = got[1].reshape(-1)
+    out["batch_chunk0_exact"] = torch.equal(second[:1000], average[3000:4000]) and torch.equal(
+        got[0][:1500][~got[0][:1500].isnan()], average[:1500][~average[:1500].isnan()]
+    )
+    out["batch_chunk1_quantized"] = not torch.equal(second[1000:], average[4000:]) and bool(
+        (second[1000:] - average[4000:]).abs().max() < 0.5 * average[4000:].abs().max()
+    )
+    out["batch_payloads"], out["batch_raw"] = stats.payloads, stats.raw_nonfinite
+
     # Top-1 % + INT8 all-reduce of a 4 MiB fp32 gradient: bytes vs the ring all-reduce volume.
     stats = CommStats()
     big = torch.randn(2**20, generator=torch.Generator().manual_seed(60 + rank))
@@ -239,6 +260,15 @@ def test_nan_is_sent_raw_and_arrives_where_it_was():
     assert results[0]["nan_positions"] == results[1]["nan_positions"] == [123]
     # rank 1's chunk-0 payload (phase 1) and rank 0's re-encoded chunk 0 (phase 2) went raw
     assert [r["nan_raw_payloads"] for r in results] == [1, 1]
+
+
+def test_dense_tensors_share_a_payload_and_a_nan_sends_it_raw():
+    for r in _collective_results():
+        assert r["batch_nan_positions"] == [7]
+        assert r["batch_chunk0_exact"] and r["batch_chunk1_quantized"]
+        # each rank encodes one payload per phase, holding both tensors' segments: rank 1 chunk 0 for rank 0 (the
+        # NaN: raw) then its reduced chunk 1 (quantized); rank 0 chunk 1 for rank 1, then its reduced chunk 0 (raw)
+        assert r["batch_payloads"] == 2 and r["batch_raw"] == 1, (r["batch_payloads"], r["batch_raw"])
 
 
 def test_top1_percent_int8_all_reduce_is_at_least_40x_smaller_than_fp32():

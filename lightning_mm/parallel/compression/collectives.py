@@ -167,6 +167,85 @@ def _encode_segment(
     return encoded.to_bytes()
 
 
+def _batched(numels: list[int], config: CodecConfig) -> list[int]:
+    """Indices of the segments sent together as one payload: with a dense codec, every segment of at least
+    ``config.min_numel`` elements, when there are two or more (Top-k is per segment, and smaller segments travel raw on
+    their own). Depends on sizes and codec only, so every sender and receiver agree."""
+    if config.topk_ratio < 1.0:
+        return []
+    batch = [i for i, numel in enumerate(numels) if numel >= max(config.min_numel, 1)]
+    return batch if len(batch) > 1 else []
+
+
+def _block_padded(numel: int, config: CodecConfig) -> int:
+    return -(-numel // config.block_size) * config.block_size
+
+
+def _encode_batch(
+    segments: list[torch.Tensor],
+    residuals: list[torch.Tensor | None],
+    config: CodecConfig,
+    raw_dtype: torch.dtype,
+    stats: CommStats,
+) -> torch.Tensor:
+    """Wire bytes of one payload holding several segments (+ their residuals, updated in place).
+
+    Each segment is zero-padded to whole blocks before they are concatenated, so no block spans two segments and
+    every scale and code is the one the segment's own payload would carry; only the headers and padding of the
+    separate payloads, and their per-call overhead (~0.3 ms each on a CPU core), are saved. A non-finite value sends
+    the whole batch raw (exact), where separate payloads would send only its segment raw.
+    """
+    compensated = [s.float() + r if r is not None else s.float() for s, r in zip(segments, residuals, strict=True)]
+    flat = torch.cat(
+        [torch.nn.functional.pad(c, (0, _block_padded(c.numel(), config) - c.numel())) for c in compensated]
+    )
+    encoded = encode(flat, config, raw_dtype=raw_dtype)
+    if any(r is not None for r in residuals):
+        sent = decode(encoded).split([_block_padded(c.numel(), config) for c in compensated])
+        for residual, value, part in zip(residuals, compensated, sent, strict=True):
+            if residual is not None:
+                _store_residual(residual, value, part[: value.numel()])
+    stats.payloads += 1
+    stats.raw_nonfinite += encoded.reason == "nonfinite"
+    return encoded.to_bytes()
+
+
+def _encode_many(
+    segments: list[torch.Tensor],
+    residuals: list[torch.Tensor | None],
+    config: CodecConfig,
+    raw_dtypes: list[torch.dtype],
+    stats: CommStats,
+) -> torch.Tensor:
+    """Wire bytes of several segments: the :func:`_batched` ones as one payload, then the others one by one."""
+    batch = _batched([s.numel() for s in segments], config)
+    blobs = []
+    if batch:
+        dtypes = {raw_dtypes[i] for i in batch}
+        raw_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        blobs.append(
+            _encode_batch([segments[i] for i in batch], [residuals[i] for i in batch], config, raw_dtype, stats)
+        )
+    alone = [i for i in range(len(segments)) if i not in set(batch)]
+    blobs += [_encode_segment(segments[i], residuals[i], config, raw_dtypes[i], stats) for i in alone]
+    return torch.cat(blobs)
+
+
+def _decode_many(blob: torch.Tensor, numels: list[int], config: CodecConfig) -> list[torch.Tensor]:
+    """Inverse of :func:`_encode_many` (same ``numels`` and ``config``): ``(numel_i,)`` float32 per segment."""
+    batch = _batched(numels, config)
+    alone = [i for i in range(len(numels)) if i not in set(batch)]
+    payloads = _parse_blob(blob, int(bool(batch)) + len(alone))
+    out: list[torch.Tensor | None] = [None] * len(numels)
+    if batch:
+        parts = decode(payloads.pop(0)).split([_block_padded(numels[i], config) for i in batch])
+        for i, part in zip(batch, parts, strict=True):
+            out[i] = part[: numels[i]]
+    for i, payload in zip(alone, payloads, strict=True):
+        out[i] = decode(payload)
+    return out
+
+
 def _exchange(
     blobs: list[torch.Tensor | None], group: dist.ProcessGroup | None, device: torch.device, stats: CommStats
 ) -> list[torch.Tensor | None]:
@@ -298,14 +377,12 @@ def _reduce_scatter_many(
     chunks = [x.view(world, -1) for x in xs]  # (world, c_i): row j is reduced on rank j
     res_chunks = [r.view(world, -1) if r is not None else None for r in residuals]
     start = _clock(device)
+    dtypes = [c.dtype for c in chunks]
     blobs = [
         None
         if j == rank
-        else torch.cat(
-            [
-                _encode_segment(c[j], r[j] if r is not None else None, config, c.dtype, stats)
-                for c, r in zip(chunks, res_chunks, strict=True)
-            ]
+        else _encode_many(
+            [c[j] for c in chunks], [r[j] if r is not None else None for r in res_chunks], config, dtypes, stats
         )
         for j in range(world)
     ]
@@ -319,10 +396,11 @@ def _reduce_scatter_many(
             total += r[rank]
             r[rank] = 0
         totals.append(total)
+    numels = [c.shape[1] for c in chunks]
     for j in range(world):
         if j != rank:
-            for total, payload in zip(totals, _parse_blob(received[j], len(xs)), strict=True):
-                total += decode(payload)
+            for total, values in zip(totals, _decode_many(received[j], numels, config), strict=True):
+                total += values
     if op == "avg":
         for total in totals:
             total /= world
@@ -352,9 +430,7 @@ def _all_gather_many(
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     device = xs[0].device
     start = _clock(device)
-    blob = torch.cat(
-        [_encode_segment(x, r, config, dtype, stats) for x, r, dtype in zip(xs, residuals, raw_dtypes, strict=True)]
-    )
+    blob = _encode_many(xs, residuals, config, raw_dtypes, stats)
     stats.encode_seconds += _clock(device) - start
     if world == 1:
         gathered, sizes, width = blob, [blob.numel()], blob.numel()
@@ -371,7 +447,8 @@ def _all_gather_many(
         stats.calls += 1
     start = _clock(device)
     rows = gathered.view(world, width)
-    per_rank = [[decode(p) for p in _parse_blob(rows[j, : sizes[j]], len(xs))] for j in range(world)]
+    numels = [x.numel() for x in xs]
+    per_rank = [_decode_many(rows[j, : sizes[j]], numels, config) for j in range(world)]
     outs = [torch.cat([per_rank[j][i] for j in range(world)]) for i in range(len(xs))]
     stats.decode_seconds += _clock(device) - start
     stats.bytes_before += sum((world - 1) * x.numel() * d.itemsize for x, d in zip(xs, raw_dtypes, strict=True))
