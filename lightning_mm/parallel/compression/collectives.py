@@ -510,7 +510,8 @@ def compressed_all_reduce_coalesced(
 
     Each tensor is flattened, zero-padded to ``world * c`` elements (``c = ceil(numel / world)``) and encoded on
     its own (its own Top-k, its own blocks), so a result depends only on that tensor, not on which others travel
-    with it; all tensors share one exchange per phase. Both phases are compressed: with a dense all-gather,
+    with it; all tensors share one exchange per phase, and with a dense codec one payload per peer (blocks never span
+    two tensors, so only headers and per-call overhead are saved). Both phases are compressed: with a dense all-gather,
     Top-k could save at most half of the traffic. Tensors under ``config.min_numel`` elements skip the codec and
     share one plain (exact) all-reduce.
 
