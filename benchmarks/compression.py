@@ -57,7 +57,14 @@ import lightning_mm
 from lightning_mm.callbacks.compression import CompressedAllToAll
 from lightning_mm.datamodules.web import ImageTextWebDataModule
 from lightning_mm.models import VisionLanguageModel, VLMModule, build_config, compute_losses
-from lightning_mm.parallel.compression import AUTO_TRIAL_STEPS, AutoTrial, CodecConfig, decode, encode
+from lightning_mm.parallel.compression import (
+    AUTO_TRIAL_STEPS,
+    AUTO_WARMUP_STEPS,
+    AutoTrial,
+    CodecConfig,
+    decode,
+    encode,
+)
 from lightning_mm.testing.launch import run_distributed
 
 # name -> codec (part 1)
@@ -354,7 +361,7 @@ LINK_RUNS: dict[str, dict[str, Any] | None] = {
     "int4 (T1)": {"bits": 4, "rotation": True, "scale_dtype": "bfloat16"},
     "T2 H=16, top10% + int4": {"replica_sync": 16, "bits": 4, "topk_ratio": 0.1},
     # CompressedAllToAll(auto=True)'s trial (the same AutoTrial) in this loop: T1 or uncompressed, chosen after
-    # one untimed plain step and 8 alternating timed steps; those trial steps count in its step times.
+    # 2 untimed plain steps and 16 alternating timed ones; those steps count in its step times.
     "auto (T1 or none)": {"bits": 4, "rotation": True, "scale_dtype": "bfloat16", "auto": True},
 }
 _NAMESPACES = ("lmm-bench-a", "lmm-bench-b")
@@ -453,7 +460,7 @@ def _link_worker(args: argparse.Namespace) -> None:
         every = codec.pop("replica_sync", None)
         run: dict[str, Any] = {"every": every or 1, "times": [], "codec": [], "before": [], "after": []}
         if codec.pop("auto", False):
-            run["auto"] = AutoTrial(AUTO_TRIAL_STEPS)
+            run["auto"] = AutoTrial()
         if every is not None:  # T2: each rank a replica, trained on its own; parameters synced every `every` steps
             run["net"], run["group"] = model, None
             run["sync"] = ReplicaSyncState(
@@ -514,6 +521,10 @@ def _link_worker(args: argparse.Namespace) -> None:
                 auto_compressed=run["auto"].decision,
                 auto_measured=run["auto"].measured,
                 step_seconds_mean_with_trial=statistics.fmean(run["times"]),
+                # step 0 is never timed, so the warm-up and trial steps are the first ones of run["times"]:
+                step_seconds_median_after_trial=statistics.median(
+                    run["times"][AUTO_WARMUP_STEPS - 1 + AUTO_TRIAL_STEPS :]
+                ),
             )
         if run["after"]:
             row.update(

@@ -20,7 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mm.callbacks._common import _rank, _world
 from lightning_mm.parallel.compression import (
+    AUTO_MARGIN,
     AUTO_TRIAL_STEPS,
+    AUTO_WARMUP_STEPS,
     AutoTrial,
     CodecConfig,
     GradCompressionState,
@@ -152,12 +154,13 @@ class CompressedAllToAll(pl.Callback):
         rotation: rotate each block by a randomized Hadamard matrix before quantizing
             (:func:`~lightning_mm.parallel.compression.block_rotation`; ``block_size`` a power of two), the outlier
             care of 4-bit gradient exchange (SDP4Bit); on by default with the default INT4 codec (see above).
-        auto: compress only where it pays, measured: after ``warmup_steps`` (and ``sparsity_warmup_steps``), one
-            untimed plain step, then ``AUTO_TRIAL_STEPS`` (8) optimizer steps alternate plain / compressed and are
-            timed whole (start of a step to start of the next; an interval holding validation is not counted); the
-            slowest rank's median of each side decides, the faster stays on for the rest of the fit, and rank 0
-            logs both figures and the choice (``auto.decision``, ``auto.measured``). With ample bandwidth the codec's
-            time is not paid back and the exchange stays plain; on a slow link it compresses. Each ``fit`` measures
+        auto: compress only where it pays, measured: after ``warmup_steps`` (and ``sparsity_warmup_steps``),
+            ``AUTO_WARMUP_STEPS`` (2) untimed plain steps, then ``AUTO_TRIAL_STEPS`` (16) optimizer steps alternate
+            plain / compressed and are timed whole (start of a step to start of the next; an interval holding
+            validation is not counted); compression stays on for the rest of the fit if the slowest rank's median
+            compressed step is at least ``AUTO_MARGIN`` (5 %) faster than its median plain one, else the exchange stays
+            plain; rank 0 logs both figures and the choice (``auto.decision``, ``auto.measured``). With ample
+            bandwidth the codec's time is not paid back; on a slow link it is. Each ``fit`` measures
             again. ``"grad"`` only.
     """
 
@@ -215,7 +218,7 @@ class CompressedAllToAll(pl.Callback):
                 f"CompressedAllToAll(auto=True, targets={targets!r}): the automatic choice times the gradient "
                 "exchange only; use targets=('grad',)"
             )
-        self.auto = AutoTrial(AUTO_TRIAL_STEPS) if auto else None
+        self.auto = AutoTrial() if auto else None
         """The plain-vs-compressed trial of ``auto=True`` (None otherwise); ``auto.decision`` and ``auto.measured``
         tell what it chose and why."""
         self.state = GradCompressionState(self.config, error_feedback=self.error_feedback)
@@ -383,9 +386,10 @@ class CompressedAllToAll(pl.Callback):
         measured = self.auto.measured
         plain, compressed = measured["plain_seconds"], measured["compressed_seconds"]
         rank_zero_info(
-            f"CompressedAllToAll(auto=True): over {AUTO_TRIAL_STEPS} alternating optimizer steps (slowest rank's "
-            f"medians) a step took {1e3 * plain:.1f} ms with the plain exchange and {1e3 * compressed:.1f} ms "
-            f"compressed ({100 * (compressed / plain - 1):+.1f} %): the gradient exchange stays "
+            f"CompressedAllToAll(auto=True): over {AUTO_TRIAL_STEPS} alternating optimizer steps after "
+            f"{AUTO_WARMUP_STEPS} untimed ones (slowest rank's medians) a step took {1e3 * plain:.1f} ms with the "
+            f"plain exchange and {1e3 * compressed:.1f} ms compressed ({100 * (compressed / plain - 1):+.1f} %; "
+            f"compression is kept when at least {100 * AUTO_MARGIN:.0f} % faster): the gradient exchange stays "
             f"{'compressed' if self.auto.decision else 'plain (compression does not pay on this link and machine)'} "
             "for the rest of this fit"
         )

@@ -459,10 +459,10 @@ def test_auto_trial_alternates_skips_micro_batches_and_interrupted_intervals():
     from lightning_mm.parallel.compression import AutoTrial
 
     now = [0.0]
-    trial = AutoTrial(steps=4, clock=lambda: now[0])
+    trial = AutoTrial(steps=4, warmup=2, margin=0.05, clock=lambda: now[0])
     seconds = {False: 1.0, True: 0.6}  # compressed steps are faster here
     pattern = []
-    for step in range(5, 12):
+    for step in range(5, 14):
         for micro_batch in range(2):  # gradient accumulation: two batch starts per optimizer step
             decided = trial.observe(step, torch.device("cpu"))
             compress = trial.compress_at(step)
@@ -470,16 +470,30 @@ def test_auto_trial_alternates_skips_micro_batches_and_interrupted_intervals():
                 pattern.append(compress)
             if decided:
                 break
-        if step == 8:
-            trial.interrupt()  # validation inside step 8's interval: not counted
+        if step == 10:
+            trial.interrupt()  # validation inside step 10's interval: not counted
             now[0] += 100.0
         now[0] += seconds[compress]
-    # Step 5 (the first of the fit) is plain and untimed; then plain / compressed alternate from step 6. Step 8's
-    # interval was interrupted, so the 2 + 2 samples are complete only at step 11's start, which decides.
-    assert pattern == [False, False, True, False, True, False, True]
+    # Steps 5 and 6 (the first of the fit) are plain and untimed; plain / compressed alternate from step 7. Step 10's
+    # interval was interrupted, so the 2 + 2 samples are complete only at step 13's start, which decides.
+    assert pattern == [False, False, False, True, False, True, False, True, True]
     assert trial.decision is True
     assert trial.measured == {"plain_seconds": 1.0, "compressed_seconds": pytest.approx(0.6)}
     assert trial.compress_at(50) is True
+
+
+@pytest.mark.parametrize(("compressed_seconds", "chosen"), [(0.96, False), (0.94, True)])
+def test_auto_trial_compresses_only_when_clearly_faster(compressed_seconds, chosen):
+    from lightning_mm.parallel.compression import AutoTrial
+
+    now = [0.0]
+    trial = AutoTrial(steps=4, warmup=1, margin=0.05, clock=lambda: now[0])
+    step = 0
+    while trial.decision is None:
+        trial.observe(step, torch.device("cpu"))
+        now[0] += compressed_seconds if trial.compress_at(step) else 1.0
+        step += 1
+    assert trial.decision is chosen
 
 
 def test_auto_is_refused_for_the_moe_exchange():

@@ -15,7 +15,7 @@ Nothing here imports Lightning; a hand-written training loop can use every piece
 Every public name is importable from here.
 """
 
-from lightning_mm.parallel.compression.auto import AUTO_TRIAL_STEPS, AutoTrial
+from lightning_mm.parallel.compression.auto import AUTO_MARGIN, AUTO_TRIAL_STEPS, AUTO_WARMUP_STEPS, AutoTrial
 from lightning_mm.parallel.compression.codecs import (
     CodecConfig,
     Encoded,
@@ -47,7 +47,9 @@ from lightning_mm.parallel.compression.hooks import (
 )
 
 __all__ = [
+    "AUTO_MARGIN",
     "AUTO_TRIAL_STEPS",
+    "AUTO_WARMUP_STEPS",
     "AutoTrial",
     "CodecConfig",
     "CommStats",

@@ -9,10 +9,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["AUTO_TRIAL_STEPS", "AutoTrial"]
+__all__ = ["AUTO_MARGIN", "AUTO_TRIAL_STEPS", "AUTO_WARMUP_STEPS", "AutoTrial"]
 
-# auto=True: optimizer steps timed each way (alternating, plain first) before deciding.
-AUTO_TRIAL_STEPS = 8
+AUTO_WARMUP_STEPS = 2
+"""Plain, untimed steps first: the first steps of a fit are slow for other reasons (DDP rebuilds its buckets after
+the first backward, allocators and lazy initialisation warm up); a trial that timed them measured plain steps 1.5x
+their later cost on the shaped-link benchmark and chose compression where it did not pay."""
+AUTO_TRIAL_STEPS = 16
+"""Optimizer steps timed, alternating plain / compressed (8 each)."""
+AUTO_MARGIN = 0.05
+"""Compression must be this much faster (median step) to be chosen: within the noise, plain is the safe side (no
+codec error, no codec time)."""
 
 
 class AutoTrial:
@@ -24,17 +31,23 @@ class AutoTrial:
     so the choice includes everything compression changes: bytes on the link, codec time on the compute cores, and
     the plain collective's own overlap with backward. Every rank measures; the slowest rank's medians decide
     (ranks must agree: a plain rank would run an all-reduce against its peers' compressed exchange), so the
-    decision is one collective at a step every rank reaches.
+    decision is one collective at a step every rank reaches. Compression is kept when its median step is at least
+    ``margin`` faster than plain's.
     """
 
-    def __init__(self, steps: int, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.steps = steps
-        self.clock = clock
+    def __init__(
+        self,
+        steps: int = AUTO_TRIAL_STEPS,
+        warmup: int = AUTO_WARMUP_STEPS,
+        margin: float = AUTO_MARGIN,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.steps, self.warmup, self.margin, self.clock = steps, warmup, margin, clock
         self.reset()
 
     def reset(self) -> None:
         self.start: int | None = None
-        """Global step of the first trial step (the first compressed-eligible step of this fit)."""
+        """Global step of the first timed trial step (after ``warmup`` plain steps of this fit)."""
         self.decision: bool | None = None
         """True: compress; False: plain; None: still measuring."""
         self.measured: dict[str, float] = {}
@@ -47,7 +60,7 @@ class AutoTrial:
         if self.decision is not None:
             return self.decision
         if self.start is None:
-            self.start = step + 1  # the fit's first eligible step is plain and not timed (first-step warm-ups)
+            self.start = step + self.warmup  # the fit's first eligible steps are plain and not timed
         return step >= self.start and (step - self.start) % 2 == 1  # plain, compressed, plain, ...
 
     def interrupt(self) -> None:
@@ -70,5 +83,5 @@ class AutoTrial:
             dist.all_reduce(medians, op=dist.ReduceOp.MAX)
         plain, compressed = medians.tolist()
         self.measured = {"plain_seconds": plain, "compressed_seconds": compressed}
-        self.decision = compressed < plain
+        self.decision = compressed < (1 - self.margin) * plain
         return True
