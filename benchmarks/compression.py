@@ -57,14 +57,7 @@ import lightning_mm
 from lightning_mm.callbacks.compression import CompressedAllToAll
 from lightning_mm.datamodules.web import ImageTextWebDataModule
 from lightning_mm.models import VisionLanguageModel, VLMModule, build_config, compute_losses
-from lightning_mm.parallel.compression import (
-    AUTO_TRIAL_STEPS,
-    AUTO_WARMUP_STEPS,
-    AutoTrial,
-    CodecConfig,
-    decode,
-    encode,
-)
+from lightning_mm.parallel.compression import AutoTrial, CodecConfig, decode, encode
 from lightning_mm.testing.launch import run_distributed
 
 # name -> codec (part 1)
@@ -482,8 +475,9 @@ def _link_worker(args: argparse.Namespace) -> None:
                 run["auto"].interrupt()  # other runs' steps lie between this run's rounds
             for step, batch in enumerate(batches[round_start : round_start + per_round]):
                 if "auto" in run:
-                    run["auto"].observe(round_start + step, torch.device("cpu"))
-                    run["state"].active = run["auto"].compress_at(round_start + step)
+                    run["state"].active = run["auto"].begin_step(round_start + step, torch.device("cpu"))
+                    if run["auto"].decision is not None and "decided_at" not in run:
+                        run["decided_at"] = len(run["times"])  # the timed steps from here on run the choice
                 stats = run["state"].stats if "state" in run else run["sync"].stats if "sync" in run else None
                 if stats is not None:
                     stats.reset()
@@ -521,10 +515,10 @@ def _link_worker(args: argparse.Namespace) -> None:
                 auto_compressed=run["auto"].decision,
                 auto_measured=run["auto"].measured,
                 step_seconds_mean_with_trial=statistics.fmean(run["times"]),
-                # step 0 is never timed, so the warm-up and trial steps are the first ones of run["times"]:
-                step_seconds_median_after_trial=statistics.median(
-                    run["times"][AUTO_WARMUP_STEPS - 1 + AUTO_TRIAL_STEPS :]
+                step_seconds_median_after_trial=(
+                    statistics.median(run["times"][run["decided_at"] :]) if "decided_at" in run else None
                 ),
+                trial_steps=run.get("decided_at"),
             )
         if run["after"]:
             row.update(

@@ -155,12 +155,13 @@ class CompressedAllToAll(pl.Callback):
             (:func:`~lightning_mm.parallel.compression.block_rotation`; ``block_size`` a power of two), the outlier
             care of 4-bit gradient exchange (SDP4Bit); on by default with the default INT4 codec (see above).
         auto: compress only where it pays, measured: after ``warmup_steps`` (and ``sparsity_warmup_steps``),
-            ``AUTO_WARMUP_STEPS`` (2) untimed plain steps, then ``AUTO_TRIAL_STEPS`` (16) optimizer steps alternate
-            plain / compressed and are timed whole (start of a step to start of the next; an interval holding
-            validation is not counted); compression stays on for the rest of the fit if the slowest rank's median
-            compressed step is at least ``AUTO_MARGIN`` (5 %) faster than its median plain one, else the exchange stays
-            plain; rank 0 logs both figures and the choice (``auto.decision``, ``auto.measured``). With ample
-            bandwidth the codec's time is not paid back; on a slow link it is. Each ``fit`` measures
+            ``AUTO_WARMUP_STEPS`` (2) untimed plain steps, then ``AUTO_TRIAL_STEPS`` (16) optimizer steps, plain and
+            compressed in ABBA order, each timed whole (every micro-batch; an interval holding validation or a
+            checkpoint save is not counted); compression stays on for the rest of the fit if the slowest rank's
+            median compressed step is at least ``AUTO_MARGIN`` (5 %) faster than its median plain one, else the
+            exchange stays plain (and the trial's residuals are dropped); rank 0 logs both figures and the choice
+            (``auto.decision``, ``auto.measured``; :class:`~lightning_mm.parallel.compression.AutoTrial`). With
+            ample bandwidth the codec's time is not paid back; on a slow link it is. Each ``fit`` measures
             again. ``"grad"`` only.
     """
 
@@ -368,10 +369,11 @@ class CompressedAllToAll(pl.Callback):
         ratio = self.topk_ratio_at(step)
         eligible = ratio is not None and step >= self.warmup_steps + self.sparsity_warmup_steps
         if self.auto is not None and self.registered is not None and eligible:
-            if self.auto.observe(step, pl_module.device):
-                self._report_auto()
-            if not self.auto.compress_at(step):
+            undecided = self.auto.decision is None
+            if not self.auto.begin_step(step, pl_module.device):
                 ratio = None
+            if undecided and self.auto.decision is not None:
+                self._report_auto()
         self.state.active = ratio is not None
         if ratio is not None and ratio != self.state.config.topk_ratio:
             self.state.config = dataclasses.replace(self.config, topk_ratio=ratio)
@@ -382,11 +384,25 @@ class CompressedAllToAll(pl.Callback):
         if self.auto is not None:
             self.auto.interrupt()  # a step interval that holds validation would not time the exchange
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self.auto is not None:
+            self.auto.interrupt()  # nor one that holds a checkpoint save
+
     def _report_auto(self) -> None:
+        if not self.auto.decision:
+            # Plain from now on: what the trial's compressed steps held back would never be sent.
+            self.state.feedback.clear()
+            self.state.gather_feedback.clear()
         measured = self.auto.measured
+        if not measured:
+            rank_zero_warn(
+                f"CompressedAllToAll(auto=True): too many trial steps were interrupted (validation or checkpoints in "
+                f"most of {4 * AUTO_TRIAL_STEPS} steps) to time both sides; the gradient exchange stays plain"
+            )
+            return
         plain, compressed = measured["plain_seconds"], measured["compressed_seconds"]
         rank_zero_info(
-            f"CompressedAllToAll(auto=True): over {AUTO_TRIAL_STEPS} alternating optimizer steps after "
+            f"CompressedAllToAll(auto=True): over {AUTO_TRIAL_STEPS} optimizer steps (ABBA) after "
             f"{AUTO_WARMUP_STEPS} untimed ones (slowest rank's medians) a step took {1e3 * plain:.1f} ms with the "
             f"plain exchange and {1e3 * compressed:.1f} ms compressed ({100 * (compressed / plain - 1):+.1f} %; "
             f"compression is kept when at least {100 * AUTO_MARGIN:.0f} % faster): the gradient exchange stays "

@@ -28,6 +28,7 @@ from lightning_mm.parallel.compression import (
     CodecConfig,
     CommStats,
     compressed_all_gather,
+    compressed_all_reduce,
     compressed_all_reduce_coalesced,
     compressed_all_to_all,
     compressed_reduce_scatter,
@@ -170,6 +171,18 @@ def _collectives(rank: int, world: int) -> dict:
     )
     out["batch_payloads"], out["batch_raw"] = stats.payloads, stats.raw_nonfinite
 
+    # A rotated dense codec: several tensors in one payload per peer against each tensor on its own.
+    config = CodecConfig(bits=4, rotation=True, scale_dtype="bfloat16", min_numel=64)
+    tensors = [_varied(shape, seed=80 + 10 * rank + i) for i, shape in enumerate([(1025,), (70, 99), (4096,), (33,)])]
+    together, alone = CommStats(), CommStats()
+    batched = compressed_all_reduce_coalesced([t.clone() for t in tensors], config, stats=together)
+    separate = [compressed_all_reduce(t.clone(), config, stats=alone) for t in tensors]
+    out["batched_largest_difference"] = max(
+        ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(batched, separate, strict=True)
+    )
+    out["batched_payloads"] = (together.payloads, alone.payloads)
+    out["batched_bytes"] = (together.bytes_after, alone.bytes_after)
+
     # Top-1 % + INT8 all-reduce of a 4 MiB fp32 gradient: bytes vs the ring all-reduce volume.
     stats = CommStats()
     big = torch.randn(2**20, generator=torch.Generator().manual_seed(60 + rank))
@@ -271,6 +284,16 @@ def test_dense_tensors_share_a_payload_and_a_nan_sends_it_raw():
         # each rank encodes one payload per phase, holding both tensors' segments: rank 1 chunk 0 for rank 0 (the
         # NaN: raw) then its reduced chunk 1 (quantized); rank 0 chunk 1 for rank 1, then its reduced chunk 0 (raw)
         assert r["batch_payloads"] == 2 and r["batch_raw"] == 1, (r["batch_payloads"], r["batch_raw"])
+
+
+def test_rotated_tensors_batched_equal_each_sent_alone_in_fewer_bytes():
+    for r in _collective_results():
+        # the same blocks, codes and scales; only float rounding of the rotation may differ (different matmul shapes)
+        assert r["batched_largest_difference"] <= 1e-6, r["batched_largest_difference"]
+        # the 3 tensors >= min_numel share one payload per phase (the 33-element one goes through the plain
+        # all-reduce either way): 2 payloads instead of 6
+        assert r["batched_payloads"] == (2, 6), r["batched_payloads"]
+        assert r["batched_bytes"][0] < r["batched_bytes"][1], r["batched_bytes"]
 
 
 def test_top1_percent_int8_all_reduce_is_at_least_40x_smaller_than_fp32():
@@ -559,7 +582,8 @@ def _auto_results() -> list[dict]:
 def test_auto_times_both_sides_and_keeps_the_faster(slow_when_compressed):
     results = [result[slow_when_compressed] for result in _auto_results()]
     for result in results:
-        trial = [0.0] * AUTO_WARMUP_STEPS + [0.0, 1.0] * (AUTO_TRIAL_STEPS // 2)  # untimed plain, then alternating
+        # untimed plain steps, then plain, compressed, compressed, plain, ... (ABBA)
+        trial = [0.0] * AUTO_WARMUP_STEPS + [float(k // 2 % 2) for k in range(1, AUTO_TRIAL_STEPS + 1)]
         decided = 0.0 if slow_when_compressed else 1.0
         assert result["active"] == trial + [decided] * 3, result["active"]
         assert result["decision"] is (not slow_when_compressed)

@@ -455,45 +455,55 @@ def test_rotation_needs_a_power_of_two_block():
         CompressedAllToAll(bits=4, block_size=96, rotation=True)
 
 
-def test_auto_trial_alternates_skips_micro_batches_and_interrupted_intervals():
+def test_auto_trial_runs_abba_times_whole_steps_and_skips_interrupted_intervals():
     from lightning_mm.parallel.compression import AutoTrial
 
-    now = [0.0]
-    trial = AutoTrial(steps=4, warmup=2, margin=0.05, clock=lambda: now[0])
-    seconds = {False: 1.0, True: 0.6}  # compressed steps are faster here
-    pattern = []
-    for step in range(5, 14):
-        for micro_batch in range(2):  # gradient accumulation: two batch starts per optimizer step
-            decided = trial.observe(step, torch.device("cpu"))
-            compress = trial.compress_at(step)
-            if micro_batch == 0:
-                pattern.append(compress)
-            if decided:
-                break
+    times = [0.0]
+    trial = AutoTrial(steps=4, warmup=2, margin=0.05, clock=lambda: times[-1])
+    modes = []
+    for step in range(5, 15):
+        for _ in range(2):  # gradient accumulation: the step's time is spread over its two micro-batches
+            compressed = trial.begin_step(step, torch.device("cpu"))
+            times.append(times[-1] + (0.6 if compressed else 1.0) / 2)
+        modes.append(compressed)
         if step == 10:
-            trial.interrupt()  # validation inside step 10's interval: not counted
-            now[0] += 100.0
-        now[0] += seconds[compress]
-    # Steps 5 and 6 (the first of the fit) are plain and untimed; plain / compressed alternate from step 7. Step 10's
-    # interval was interrupted, so the 2 + 2 samples are complete only at step 13's start, which decides.
-    assert pattern == [False, False, False, True, False, True, False, True, True]
+            trial.interrupt()
+            times.append(times[-1] + 100.0)
+    # 5, 6: plain, untimed; then 7 plain, 8 and 9 compressed, 10 plain (its interval interrupted: not counted),
+    # 11 plain: 2 + 2 samples at step 12's start, which decides (compressed from there on).
+    assert modes == [False, False, False, True, True, False, False, True, True, True]
     assert trial.decision is True
-    assert trial.measured == {"plain_seconds": 1.0, "compressed_seconds": pytest.approx(0.6)}
-    assert trial.compress_at(50) is True
+    # whole steps (both micro-batches), not the last micro-batch's share
+    assert trial.measured == {"plain_seconds": pytest.approx(1.0), "compressed_seconds": pytest.approx(0.6)}
+    assert trial.begin_step(50, torch.device("cpu")) is True
 
 
 @pytest.mark.parametrize(("compressed_seconds", "chosen"), [(0.96, False), (0.94, True)])
 def test_auto_trial_compresses_only_when_clearly_faster(compressed_seconds, chosen):
     from lightning_mm.parallel.compression import AutoTrial
 
-    now = [0.0]
-    trial = AutoTrial(steps=4, warmup=1, margin=0.05, clock=lambda: now[0])
+    times = [0.0]
+    trial = AutoTrial(steps=4, warmup=1, margin=0.05, clock=lambda: times[-1])
     step = 0
     while trial.decision is None:
-        trial.observe(step, torch.device("cpu"))
-        now[0] += compressed_seconds if trial.compress_at(step) else 1.0
+        times.append(times[-1] + (compressed_seconds if trial.begin_step(step, torch.device("cpu")) else 1.0))
         step += 1
     assert trial.decision is chosen
+
+
+def test_auto_trial_stays_plain_when_every_interval_is_interrupted_and_checks_its_arguments():
+    from lightning_mm.parallel.compression import AutoTrial
+
+    trial = AutoTrial(steps=4, warmup=2, clock=lambda: 0.0)
+    modes = []
+    for step in range(40):
+        modes.append(trial.begin_step(step, torch.device("cpu")))
+        trial.interrupt()  # validation every step
+    assert trial.decision is False and trial.measured == {}
+    assert modes[-1] is False and any(modes)  # it did try, then settled on plain after 2 + 4 * 4 steps
+    for bad in ({"steps": 3}, {"steps": 0}, {"warmup": -1}, {"margin": 1.0}):
+        with pytest.raises(ValueError):
+            AutoTrial(**bad)
 
 
 def test_auto_is_refused_for_the_moe_exchange():

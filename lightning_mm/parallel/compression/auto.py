@@ -23,16 +23,20 @@ codec error, no codec time)."""
 
 
 class AutoTrial:
-    """Time optimizer steps with the gradient exchange plain and compressed, alternating, then keep the faster
-    (``CompressedAllToAll(auto=True)``; usable in a hand-written loop: call :meth:`observe` then :meth:`compress_at`
-    at the start of every step and set ``GradCompressionState.active`` from the latter).
+    """Time optimizer steps with the gradient exchange plain and compressed, then keep the faster
+    (``CompressedAllToAll(auto=True)``; in a hand-written loop: call :meth:`begin_step` at the start of every batch
+    and set ``GradCompressionState.active`` from what it returns).
 
-    Whole steps are timed (the interval between the starts of consecutive optimizer steps: compute, data, sync),
-    so the choice includes everything compression changes: bytes on the link, codec time on the compute cores, and
-    the plain collective's own overlap with backward. Every rank measures; the slowest rank's medians decide
-    (ranks must agree: a plain rank would run an all-reduce against its peers' compressed exchange), so the
-    decision is one collective at a step every rank reaches. Compression is kept when its median step is at least
-    ``margin`` faster than plain's.
+    Whole steps are timed (from the first batch start of one optimizer step to the first of the next: compute,
+    data, sync, every micro-batch), so the choice includes everything compression changes: bytes on the link, codec
+    time on the compute cores, and the plain collective's own overlap with backward. After ``warmup`` plain,
+    untimed steps, ``steps`` timed ones follow in the order plain, compressed, compressed, plain, plain, ... (ABBA:
+    a drift of the machine's speed, or work that recurs every other step, hits both sides alike). Every rank
+    measures; the slowest rank's medians decide (ranks must agree: a plain rank would run an all-reduce against its
+    peers' compressed exchange), in one collective at a step every rank reaches. Compression is kept when its median
+    step is at least ``margin`` faster than plain's. Intervals holding validation or a checkpoint save
+    (:meth:`interrupt`) are not counted; if ``4 * steps`` steps pass without ``steps / 2`` samples a side, the
+    exchange stays plain (the safe side), decided without a collective since every rank counts the same.
     """
 
     def __init__(
@@ -42,41 +46,54 @@ class AutoTrial:
         margin: float = AUTO_MARGIN,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2 or steps % 2:
+            raise ValueError(f"steps must be an even int >= 2 (half of them each way), got {steps!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin!r}")
         self.steps, self.warmup, self.margin, self.clock = steps, warmup, margin, clock
         self.reset()
 
     def reset(self) -> None:
-        self.start: int | None = None
-        """Global step of the first timed trial step (after ``warmup`` plain steps of this fit)."""
         self.decision: bool | None = None
         """True: compress; False: plain; None: still measuring."""
         self.measured: dict[str, float] = {}
-        """``plain_seconds`` / ``compressed_seconds`` (median step, slowest rank) once decided."""
+        """``plain_seconds`` / ``compressed_seconds`` (median step, slowest rank) once decided by timing."""
         self._times: dict[bool, list[float]] = {False: [], True: []}
-        self._last: tuple[int, float] | None = None
-
-    def compress_at(self, step: int) -> bool:
-        """Whether optimizer step ``step`` (an eligible one) sends compressed."""
-        if self.decision is not None:
-            return self.decision
-        if self.start is None:
-            self.start = step + self.warmup  # the fit's first eligible steps are plain and not timed
-        return step >= self.start and (step - self.start) % 2 == 1  # plain, compressed, plain, ...
+        self._seen = 0  # optimizer steps begun since the reset
+        self._current: tuple[int, float, bool, bool] | None = None  # (step, start, compressed, timed)
+        self._interrupted = False
 
     def interrupt(self) -> None:
-        """Drop the interval in progress (validation ran inside it)."""
-        self._last = None
+        """Do not count the interval in progress (validation or a checkpoint save ran inside it)."""
+        self._interrupted = True
 
-    def observe(self, step: int, device: torch.device) -> bool:
-        """Called at every batch start with the global step; True when this call made the decision."""
+    def begin_step(self, step: int, device: torch.device) -> bool:
+        """Call at every batch start with the global step; whether this step's exchange is compressed."""
+        if self.decision is not None:
+            return self.decision
+        if self._current is not None and self._current[0] == step:
+            return self._current[2]  # a later micro-batch of the same optimizer step
+        if device.type == "cuda":  # the plain step's collective may still run: bill it to that step
+            torch.cuda.synchronize(device)
         now = self.clock()
-        last, self._last = self._last, (step, now)
-        if self.decision is not None or self.start is None or last is None or last[0] == step:
-            return False  # decided, not started, first call, or a later micro-batch of the same step
-        if last[0] >= self.start:
-            self._times[(last[0] - self.start) % 2 == 1].append(now - last[1])
-        if min(len(times) for times in self._times.values()) < self.steps // 2:
-            return False
+        if self._current is not None and self._current[3] and not self._interrupted:
+            self._times[self._current[2]].append(now - self._current[1])
+        self._interrupted = False
+        if min(len(times) for times in self._times.values()) >= self.steps // 2:
+            self._decide(device)
+            return self.decision
+        if self._seen >= self.warmup + 4 * self.steps:
+            self.decision = False  # too many intervals interrupted: plain, the safe side
+            return self.decision
+        self._seen += 1
+        timed = self._seen > self.warmup
+        compressed = timed and (self._seen - self.warmup) // 2 % 2 == 1  # 1: plain, 2, 3: compressed, 4, 5: plain
+        self._current = (step, now, compressed, timed)
+        return compressed
+
+    def _decide(self, device: torch.device) -> None:
         medians = torch.tensor([statistics.median(self._times[False]), statistics.median(self._times[True])])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             medians = medians.to(device)
@@ -84,4 +101,3 @@ class AutoTrial:
         plain, compressed = medians.tolist()
         self.measured = {"plain_seconds": plain, "compressed_seconds": compressed}
         self.decision = compressed < (1 - self.margin) * plain
-        return True

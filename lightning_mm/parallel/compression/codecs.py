@@ -246,11 +246,13 @@ class _FactoredRotation:
         """``blocks (nb, block_size)`` -> ``blocks @ M.T`` (a new tensor)."""
         return self._apply(blocks, inverse=True)
 
+    @torch.no_grad()  # a codec step (``out=`` refuses tensors that require grad)
     def _apply(self, blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
-        # Chunk by chunk, so that each chunk's two intermediate products stay in the core's cache instead of
-        # streaming two extra full-size tensors through memory; the result goes straight into ``out``.
+        # On CPU chunk by chunk, so that each chunk's two intermediate products stay in the core's cache instead of
+        # streaming two extra full-size tensors through memory; the result goes straight into ``out``. Accelerators
+        # take the whole tensor at once (chunks there would only multiply kernel launches).
         out = torch.empty_like(blocks)
-        rows = max(1, _CHUNK_ELEMENTS // blocks.shape[1])
+        rows = max(1, _CHUNK_ELEMENTS // blocks.shape[1] if blocks.device.type == "cpu" else blocks.shape[0])
         for first in range(0, blocks.shape[0], rows):
             source = blocks[first : first + rows].view(-1, self.rows, self.cols)
             target = out[first : first + rows].view(-1, self.rows, self.cols)

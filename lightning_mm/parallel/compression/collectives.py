@@ -25,6 +25,7 @@ compressing saves more transfer time than the codec costs.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -60,7 +61,8 @@ class CommStats:
 
     calls: int = 0
     payloads: int = 0
-    """Payloads encoded (one per off-rank segment, one per all-gather)."""
+    """Payloads encoded (one per off-rank segment, one per all-gather; segments for one peer share one with a dense
+    codec, see ``_batched``)."""
     raw_nonfinite: int = 0
     """Payloads sent uncompressed because they held NaN / Inf."""
     raw_small: int = 0
@@ -167,13 +169,26 @@ def _encode_segment(
     return encoded.to_bytes()
 
 
+# A batched payload holds at most this many elements (its own limit is 2**31 - 1; its transient fp32 copies stay
+# bounded too); segments beyond it travel in payloads of their own.
+_MAX_BATCH_ELEMENTS = 1 << 26
+
+
 def _batched(numels: list[int], config: CodecConfig) -> list[int]:
-    """Indices of the segments sent together as one payload: with a dense codec, every segment of at least
-    ``config.min_numel`` elements, when there are two or more (Top-k is per segment, and smaller segments travel raw on
-    their own). Depends on sizes and codec only, so every sender and receiver agree."""
+    """Indices of the segments sent together as one payload, with a dense codec (Top-k is per segment): those of at
+    least ``config.min_numel`` elements (smaller ones travel raw on their own) whose block padding costs nothing
+    (rotated codecs send whole blocks anyway; unrotated, a length that is a multiple of ``block_size``), up to
+    ``_MAX_BATCH_ELEMENTS``, when there are two or more. Depends on sizes and codec only, so every sender and
+    receiver agree."""
     if config.topk_ratio < 1.0:
         return []
-    batch = [i for i, numel in enumerate(numels) if numel >= max(config.min_numel, 1)]
+    batch, total = [], 0
+    for i, numel in enumerate(numels):
+        padded = _block_padded(numel, config)
+        whole_blocks = config.rotation or padded == numel
+        if numel >= max(config.min_numel, 1) and whole_blocks and total + padded <= _MAX_BATCH_ELEMENTS:
+            batch.append(i)
+            total += padded
     return batch if len(batch) > 1 else []
 
 
@@ -191,8 +206,9 @@ def _encode_batch(
     """Wire bytes of one payload holding several segments (+ their residuals, updated in place).
 
     Each segment is zero-padded to whole blocks before they are concatenated, so no block spans two segments and
-    every scale and code is the one the segment's own payload would carry; only the headers and padding of the
-    separate payloads, and their per-call overhead (~0.3 ms each on a CPU core), are saved. A non-finite value sends
+    every scale and code is the one the segment's own payload would carry (:func:`_batched` admits only segments
+    whose padding costs no bytes); the separate payloads' headers and alignment, and their per-call overhead
+    (~0.3 ms each on a CPU core), are saved. A non-finite value sends
     the whole batch raw (exact), where separate payloads would send only its segment raw.
     """
     compensated = [s.float() + r if r is not None else s.float() for s, r in zip(segments, residuals, strict=True)]
@@ -221,12 +237,12 @@ def _encode_many(
     batch = _batched([s.numel() for s in segments], config)
     blobs = []
     if batch:
-        dtypes = {raw_dtypes[i] for i in batch}
-        raw_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        raw_dtype = functools.reduce(torch.promote_types, [raw_dtypes[i] for i in batch])  # exact for every member
         blobs.append(
             _encode_batch([segments[i] for i in batch], [residuals[i] for i in batch], config, raw_dtype, stats)
         )
-    alone = [i for i in range(len(segments)) if i not in set(batch)]
+    batched = set(batch)
+    alone = [i for i in range(len(segments)) if i not in batched]
     blobs += [_encode_segment(segments[i], residuals[i], config, raw_dtypes[i], stats) for i in alone]
     return torch.cat(blobs)
 
@@ -234,7 +250,8 @@ def _encode_many(
 def _decode_many(blob: torch.Tensor, numels: list[int], config: CodecConfig) -> list[torch.Tensor]:
     """Inverse of :func:`_encode_many` (same ``numels`` and ``config``): ``(numel_i,)`` float32 per segment."""
     batch = _batched(numels, config)
-    alone = [i for i in range(len(numels)) if i not in set(batch)]
+    batched = set(batch)
+    alone = [i for i in range(len(numels)) if i not in batched]
     payloads = _parse_blob(blob, int(bool(batch)) + len(alone))
     out: list[torch.Tensor | None] = [None] * len(numels)
     if batch:
