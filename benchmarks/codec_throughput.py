@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lightning_mm.checkpoint import write_atomically
 from lightning_mm.parallel.compression import CodecConfig, Encoded, block_rotation, decode, encode
 from lightning_mm.parallel.compression.codecs import _factored_rotation
 
@@ -161,9 +162,8 @@ def main() -> None:
         )
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        temporary = RESULTS.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(record, indent=2) + "\n")
-        temporary.replace(RESULTS)
+        text = json.dumps(record, indent=2) + "\n"
+        write_atomically(RESULTS, lambda file: file.write(text.encode()))  # a reader never sees half a file
         print(f"\nwrote {RESULTS}")
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from lightning_mm.checkpoint import write_atomically
 from lightning_mm.models.hf import HFCausalLMModule
 from lightning_mm.strategies import HybridParallelStrategy
 from lightning_mm.testing.launch import run_distributed
@@ -146,9 +147,8 @@ def main() -> None:
         )
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        partial = RESULTS.with_suffix(".json.tmp")
-        partial.write_text(json.dumps(results, indent=2) + "\n")
-        partial.replace(RESULTS)  # atomic: a reader never sees half a file
+        text = json.dumps(results, indent=2) + "\n"
+        write_atomically(RESULTS, lambda file: file.write(text.encode()))  # a reader never sees half a file
         print(f"wrote {RESULTS}")
 
 

@@ -108,6 +108,26 @@ def _heldout_loss(module: VLMModule, batches: list) -> dict[str, float]:
     return {key: value / len(batches) for key, value in sums.items()}
 
 
+def study_trainer(strategy: Any, max_steps: int, callbacks: list[L.Callback]) -> L.Trainer:
+    """The study's Trainer on ``WORLD`` CPU ranks: no validation, gradient clipping 1.0, nothing logged or saved
+    (``compression_step_overhead.py`` times steps on the same one)."""
+    return L.Trainer(
+        reload_dataloaders_every_n_epochs=1,  # (each epoch's plan has its own batch count)
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
 def _train(name: str, seed: int, args: argparse.Namespace, heldout: list) -> dict[str, Any]:
     from lightning_mm.strategies import HybridParallelStrategy
 
@@ -122,21 +142,7 @@ def _train(name: str, seed: int, args: argparse.Namespace, heldout: list) -> dic
     if sync is not None:
         callbacks.append(ReplicaSync(**sync, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum))
     callbacks.append(recorder)  # last: the method's callback logs its counters before the recorder reads them
-    trainer = L.Trainer(
-        reload_dataloaders_every_n_epochs=1,  # (each epoch's plan has its own batch count)
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=HybridParallelStrategy(**degrees),
-        max_steps=args.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = study_trainer(HybridParallelStrategy(**degrees), args.steps, callbacks)
     start = time.perf_counter()
     trainer.fit(module, datamodule=dm)
     wall = time.perf_counter() - start

@@ -33,12 +33,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compression as bench  # noqa: E402  (benchmarks/compression.py: data module, module, recorder, machine info)
+from compression_convergence import WORLD, study_trainer  # noqa: E402  (the convergence study's Trainer)
 
 from lightning_mm.callbacks import CompressedAllToAll  # noqa: E402
+from lightning_mm.checkpoint import write_atomically  # noqa: E402
 from lightning_mm.testing.launch import run_distributed  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compression_step_overhead.json"
-WORLD = 2
 
 
 def _fit(rank: int, world: int, strategy_name: str, compressed: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -51,21 +52,8 @@ def _fit(rank: int, world: int, strategy_name: str, compressed: bool, args: argp
     module = bench._module(dm, args)
     recorder = bench._Recorder()
     callbacks: list[L.Callback] = ([CompressedAllToAll()] if compressed else []) + [recorder]
-    trainer = L.Trainer(
-        reload_dataloaders_every_n_epochs=1,
-        accelerator="cpu",
-        devices=world,
-        strategy=HybridParallelStrategy(data_parallel_shard=world) if strategy_name == "fsdp2" else "ddp",
-        max_steps=args.warmup + args.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    strategy = HybridParallelStrategy(data_parallel_shard=world) if strategy_name == "fsdp2" else "ddp"
+    trainer = study_trainer(strategy, args.warmup + args.steps, callbacks)
     trainer.fit(module, datamodule=dm)
     codec_ms = [row.get("encode_ms", 0.0) + row.get("decode_ms", 0.0) for row in recorder.compression]
     return {"step_seconds": recorder.step_seconds, "codec_ms": codec_ms}
@@ -119,9 +107,8 @@ def main() -> None:
         )
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        temporary = RESULTS.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(record, indent=2) + "\n")
-        temporary.replace(RESULTS)
+        text = json.dumps(record, indent=2) + "\n"
+        write_atomically(RESULTS, lambda file: file.write(text.encode()))  # a reader never sees half a file
         print(f"wrote {RESULTS}")
 
 

@@ -208,22 +208,33 @@ def _encode_batch(
     Each segment is zero-padded to whole blocks before they are concatenated, so no block spans two segments and
     every scale and code is the one the segment's own payload would carry (:func:`_batched` admits only segments
     whose padding costs no bytes); the separate payloads' headers and alignment, and their per-call overhead
-    (~0.3 ms each on a CPU core), are saved. A non-finite value sends
-    the whole batch raw (exact), where separate payloads would send only its segment raw.
+    (~0.3 ms each on a CPU core), are saved. A non-finite value sends the whole batch raw (exact), where separate
+    payloads would send only its segment raw. The concatenation goes through :func:`_encode_segment` with the
+    residuals concatenated the same way, which are then copied back (the padding's residual is dropped).
     """
-    compensated = [s.float() + r if r is not None else s.float() for s, r in zip(segments, residuals, strict=True)]
-    flat = torch.cat(
-        [torch.nn.functional.pad(c, (0, _block_padded(c.numel(), config) - c.numel())) for c in compensated]
-    )
-    encoded = encode(flat, config, raw_dtype=raw_dtype)
+    padded = [_block_padded(s.numel(), config) for s in segments]
+
+    def concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(
+            [
+                torch.nn.functional.pad(t.reshape(-1).float(), (0, n - t.numel()))
+                for t, n in zip(parts, padded, strict=True)
+            ]
+        )
+
+    flat_residual = None
     if any(r is not None for r in residuals):
-        sent = decode(encoded).split([_block_padded(c.numel(), config) for c in compensated])
-        for residual, value, part in zip(residuals, compensated, sent, strict=True):
+        kept = [
+            s.new_zeros(s.shape, dtype=torch.float32) if r is None else r
+            for s, r in zip(segments, residuals, strict=True)
+        ]
+        flat_residual = concatenated(kept)
+    blob = _encode_segment(concatenated(segments), flat_residual, config, raw_dtype, stats)
+    if flat_residual is not None:
+        for residual, part in zip(residuals, flat_residual.split(padded), strict=True):
             if residual is not None:
-                _store_residual(residual, value, part[: value.numel()])
-    stats.payloads += 1
-    stats.raw_nonfinite += encoded.reason == "nonfinite"
-    return encoded.to_bytes()
+                residual.view(-1).copy_(part[: residual.numel()])
+    return blob
 
 
 def _encode_many(
