@@ -202,6 +202,29 @@ def _pid(rank: int, world: int) -> int:
     return os.getpid()
 
 
+_KEPT_MESHES: list = []
+
+
+def _keep_meshes(rank: int, world: int) -> tuple[int, int]:
+    """Six 2-D meshes (a new group per dimension) this rank keeps past the launch, as torch keeps an FSDP2 launch's
+    mesh (see ``launch._release_dead_meshes``); returns the pid and the process group threads alive with them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _KEPT_MESHES.extend(init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b")) for _ in range(6))
+    return os.getpid(), launch._process_group_threads()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_meshes_kept_past_their_launch_release_their_groups_and_keep_the_ranks(capfd):
+    with launch.warm_ranks():
+        kept = launch.run_distributed(_keep_meshes, 2)
+        after = launch.run_distributed(_pid, 2)
+    # enough threads to retire the ranks without the release
+    assert all(threads > launch._PROCESS_GROUP_THREADS_KEPT for _, threads in kept), kept
+    assert [pid for pid, _ in kept] == after
+    assert "warm ranks retired" not in capfd.readouterr().err
+
+
 def _leave_a_thread(rank: int, world: int) -> int:
     threading.Thread(target=time.sleep, args=(60,), name="left-behind", daemon=True).start()
     return os.getpid()
