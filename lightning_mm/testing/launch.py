@@ -248,10 +248,11 @@ class _ProcessState:
         """What the launch left behind that cannot be put back: threads still running (after a garbage collection,
         which ends DataLoader workers held only by reference cycles) and a pending alarm."""
         gc.collect()
+        kept = self.threads | _library_pool_threads()
         found = [
             f"thread {thread.name!r}"
             for thread in threading.enumerate()
-            if thread not in self.threads and thread.is_alive() and not thread.name.startswith("QueueFeederThread")
+            if thread not in kept and thread.is_alive() and not thread.name.startswith("QueueFeederThread")
         ]
         if signal.alarm(0):
             found.append("a pending SIGALRM")
@@ -269,6 +270,17 @@ class _ProcessState:
 # Only these are counted: thread pools that start lazily with one thread per core (OpenMP, tokenizers) are no leak.
 _PROCESS_GROUP_THREADS_KEPT = 16
 _PROCESS_GROUP_THREAD_NAMES = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")
+
+
+def _library_pool_threads() -> set[threading.Thread]:
+    """Threads of a pool that a library keeps for the life of the process by design, started by the first launch that
+    uses it: inductor's compile pool (``AsyncCompile.pool``, a cached executor), which retired the ranks after every
+    launch that compiled. Not a leak: later launches reuse the same threads."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
+    if pool is None or not hasattr(pool, "cache_info") or pool.cache_info().currsize == 0:
+        return set()
+    return set(getattr(pool(), "_threads", ()))
 
 
 def _release_dead_meshes() -> None:

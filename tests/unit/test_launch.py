@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -222,6 +223,23 @@ def test_meshes_kept_past_their_launch_release_their_groups_and_keep_the_ranks(c
     # enough threads to retire the ranks without the release
     assert all(threads > launch._PROCESS_GROUP_THREADS_KEPT for _, threads in kept), kept
     assert [pid for pid, _ in kept] == after
+    assert "warm ranks retired" not in capfd.readouterr().err
+
+
+def _start_the_compile_pool(rank: int, world: int) -> int:
+    """Starts inductor's process-wide compile pool, as a launch that compiles with several compile threads does."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    with mock.patch("torch._inductor.async_compile.get_compile_threads", return_value=2):
+        AsyncCompile.pool().submit(time.sleep, 0.01).result()
+    return os.getpid()
+
+
+def test_inductor_compile_pool_threads_do_not_retire_the_ranks(capfd):
+    with launch.warm_ranks():
+        compiled = launch.run_distributed(_start_the_compile_pool, 2)
+        after = launch.run_distributed(_pid, 2)
+    assert compiled == after
     assert "warm ranks retired" not in capfd.readouterr().err
 
 
