@@ -585,10 +585,10 @@ def warm_ranks() -> Iterator[None]:
     module-level state (Lightning's warning caches among them), and its peak memory (``ru_maxrss``); a launch that
     depends on those passes ``fresh=True``. A launch that raised on some ranks keeps them when every rank answered
     (each cleaned up after it); a rank that died, hung or timed out, a launch the caller abandoned, or one that left
-    a thread running or an alarm pending closes the ranks it ran on. Ranks exit when the process that started them
-    is gone. They keep the standard output they were spawned with (a pool started inside a test's ``capfd`` writes
-    to that test's capture). The test suite runs
-    inside this context (``tests/conftest.py``); benchmarks do not.
+    a thread running (inductor's process-wide compile pool excepted) or an alarm pending closes the ranks it ran on.
+    Ranks exit when the process that started them is gone. They keep the standard output they were spawned with (a
+    pool started inside a test's ``capfd`` writes to that test's capture). The test suite runs inside this context
+    (``tests/conftest.py``); benchmarks do not.
     """
     global _warm
     if _warm is not None:  # nested: the outer context owns the ranks
