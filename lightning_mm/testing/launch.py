@@ -274,8 +274,9 @@ _PROCESS_GROUP_THREAD_NAMES = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")
 
 def _library_pool_threads() -> set[threading.Thread]:
     """Threads of a pool that a library keeps for the life of the process by design, started by the first launch that
-    uses it: inductor's compile pool (``AsyncCompile.pool``, a cached executor), which retired the ranks after every
-    launch that compiled. Not a leak: later launches reuse the same threads."""
+    uses it: inductor's compile thread pool (``AsyncCompile.pool``, a cached executor), which retired the ranks after
+    every launch that compiled on CPU. Not a leak: later launches reuse the same threads. (Its subprocess pool, which
+    inductor starts where triton is installed, is not excepted: such launches still retire the ranks.)"""
     async_compile = sys.modules.get("torch._inductor.async_compile")
     pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
     if pool is None or not hasattr(pool, "cache_info") or pool.cache_info().currsize == 0:
@@ -290,15 +291,18 @@ def _release_dead_meshes() -> None:
     ``destroy_process_group`` and a garbage collection, each with one reference that ``gc.get_referrers`` does not
     show (held from C++; its owner not found, torch 2.13), and their ``_pg_registry`` keeps every group of the mesh
     alive: 9 more gloo threads per launch on 2 ranks, which retired warm ranks every 2-3 launches (~5 s to respawn
-    each). Those groups are destroyed, so nothing can use them; a mesh used after its launch fails either way (see
-    :func:`_forget_process_groups`). Run only when the threads exceed the allowance: it visits every live object.
+    each). Those groups were destroyed with their launch; no launch may use an earlier launch's mesh anyway (group
+    names restart at each ``init_process_group``, so such a mesh would resolve to the new launch's groups, which is
+    why :func:`_forget_process_groups` clears torch's mesh caches). What else the mesh's unknown owner keeps stays
+    alive: a launch's rank memory can grow (``ru_maxrss`` is kept, see :func:`warm_ranks`). Run only when the threads
+    exceed the allowance: it visits every live object (~0.4 s with transformers loaded).
     """
     device_mesh = sys.modules.get("torch.distributed.device_mesh")
     if device_mesh is None:
         return
     mesh_type = device_mesh.DeviceMesh
     for obj in gc.get_objects():
-        if type(obj) is mesh_type and isinstance(getattr(obj, "_pg_registry", None), dict):
+        if issubclass(type(obj), mesh_type) and isinstance(getattr(obj, "_pg_registry", None), dict):
             obj._pg_registry.clear()
     gc.collect()  # groups in reference cycles (with their process group wrappers) go only here
 

@@ -207,8 +207,10 @@ _KEPT_MESHES: list = []
 
 
 def _keep_meshes(rank: int, world: int) -> tuple[int, int]:
-    """Six 2-D meshes (a new group per dimension) this rank keeps past the launch, as torch keeps an FSDP2 launch's
-    mesh (see ``launch._release_dead_meshes``); returns the pid and the process group threads alive with them."""
+    """Six 2-D meshes this rank keeps past the launch, as torch keeps an FSDP2 launch's mesh (see
+    ``launch._release_dead_meshes``): each builds new size-1 groups for its dimension "a" ("b" spans the world: the
+    default group). Returns the pid and the process group threads alive with them, the count the rank compares with
+    its allowance after the launch."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _KEPT_MESHES.extend(init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b")) for _ in range(6))
@@ -228,10 +230,17 @@ def test_meshes_kept_past_their_launch_release_their_groups_and_keep_the_ranks(c
 
 def _start_the_compile_pool(rank: int, world: int) -> int:
     """Starts inductor's process-wide compile pool, as a launch that compiles with several compile threads does."""
-    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor import async_compile
 
-    with mock.patch("torch._inductor.async_compile.get_compile_threads", return_value=2):
-        AsyncCompile.pool().submit(time.sleep, 0.01).result()
+    # A new pool whatever earlier launches in these ranks did (theirs is shut down: its threads end).
+    if async_compile.AsyncCompile.pool.cache_info().currsize:
+        async_compile.AsyncCompile.pool().shutdown(wait=True)
+        async_compile.AsyncCompile.pool.cache_clear()
+    threads = max(2, async_compile.get_compile_threads())  # (the pool exists only with 2 or more)
+    with mock.patch.object(async_compile, "get_compile_threads", return_value=threads):
+        pool = async_compile.AsyncCompile.pool()
+    for future in [pool.submit(time.sleep, 0.05) for _ in range(threads)]:
+        future.result()
     return os.getpid()
 
 
@@ -240,6 +249,23 @@ def test_inductor_compile_pool_threads_do_not_retire_the_ranks(capfd):
         compiled = launch.run_distributed(_start_the_compile_pool, 2)
         after = launch.run_distributed(_pid, 2)
     assert compiled == after
+    assert "warm ranks retired" not in capfd.readouterr().err
+
+
+def _show_a_progress_bar(rank: int, world: int) -> int:
+    """A tqdm progress bar, as Hugging Face's loading shows (tqdm starts its monitor thread with the first bar)."""
+    import tqdm  # (installed with the [hf] extra's transformers)
+
+    for _ in tqdm.tqdm(range(3), disable=False):
+        pass
+    return os.getpid()
+
+
+def test_a_progress_bar_does_not_retire_the_ranks(capfd):
+    with launch.warm_ranks():
+        shown = launch.run_distributed(_show_a_progress_bar, 2)
+        after = launch.run_distributed(_pid, 2)
+    assert shown == after
     assert "warm ranks retired" not in capfd.readouterr().err
 
 
