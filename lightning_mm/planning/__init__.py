@@ -39,14 +39,15 @@ checkpointing (AC).
   float copy of a boolean mask, MLP intermediates, the modality experts' routed copies, the ``log_softmax`` of the
   loss in fp32); tensor parallel divides the per-head and MLP-hidden parts by ``tp``. With AC: every block's inputs,
   and in backward one block recomputed. 1F1B keeps ``min(pp - s, m)`` microbatches in flight on stage ``s``;
-* pipeline buffers (``torch.distributed.pipelining``): receive buffers of every microbatch, the last stage's outputs
-  (logits) kept until the next step, and the reference VLM's forward-only statistics pass's cache (its input clone
-  and every microbatch's outputs);
+* pipeline buffers (``torch.distributed.pipelining``): receive buffers of every microbatch (one set per pass); the
+  microbatches' outputs (the logits) and a forward-only pass's cache are released after each pass (the reference
+  VLM's statistics pass holds them while it runs: a moment of its own below);
 * the peak is the largest of: the end of forward (the previous step's gradients are still alive, since Lightning
   zeroes them between forward and backward, except under pipeline parallel; plus the logits), the start of backward
   (loss-gradient buffers), each block's backward in turn (its activations and FSDP2 buffers with the kept
   activations of the blocks before it and the gradients already produced; under 1F1B both the first backward, all
-  microbatches in flight, and a later one, with the earlier microbatches' gradients) and the optimizer step (AdamW's
+  microbatches in flight, and a later one, with the earlier microbatches' gradients), the end of the reference VLM's
+  forward-only statistics pass under pipeline parallel (every microbatch's outputs) and the optimizer step (AdamW's
   foreach temporaries, one parameter-sized).
   ``bf16-mixed`` is modelled as FSDP2's bf16 parameter casting (2-byte activations, fp32 norm statistics and losses,
   fp32 reduction), and without FSDP as autocast (plus a bf16 copy of every matmul weight from its forward to its

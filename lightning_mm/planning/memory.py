@@ -37,28 +37,21 @@ def _local_numel(p: ParamShape, mesh: Mesh, fsdp: bool) -> tuple[int, int]:
     return rows * rest, rows * shard * rest
 
 
-def _pipeline_buffers(
-    model: ModelShape, mesh: Mesh, geo: Geometry, rank_geo: Geometry, m: int, first: bool, last: bool, a: int
-) -> float:
-    """What ``torch.distributed.pipelining`` keeps on a stage between and across steps: receive buffers of every
-    microbatch (activations on later stages, per schedule; gradients on earlier ones), the forward-only statistics
-    pass's cache (its inputs' clone on stage 0 and every microbatch's outputs, kept until the next step) and the last
-    stage's outputs of the training pass (the logits, kept until the schedule's next step)."""
+def _pipeline_buffers(model: ModelShape, mesh: Mesh, geo: Geometry, m: int, first: bool, last: bool, a: int) -> float:
+    """What ``torch.distributed.pipelining`` keeps on a stage between and across steps: the receive buffers of every
+    microbatch (activations on later stages, one set per pass: the reference VLM's forward-only statistics pass has
+    stages of its own; gradients on earlier ones). Each microbatch's outputs and a forward-only pass's cache are not
+    kept: the runner passes ``return_outputs=False`` and releases the stages after each pass
+    (:mod:`lightning_mm.strategies.pipeline_loop`)."""
     if mesh.pp == 1:
         return 0.0
     forward, backward = model.boundary_bytes(geo, a)
-    logits = geo.n_tokens * model.vocab_size * a
     passes = 2 if model.statistics_pass else 1
     total = 0.0
     if not first:
         total += passes * m * forward
     if not last:
         total += m * backward
-    if model.statistics_pass:
-        total += model.stage_input_bytes(rank_geo) if first else 0.0
-        total += m * (logits if last else forward)
-    if last:
-        total += m * logits
     return total
 
 
@@ -246,9 +239,7 @@ def stage_memory(
     in_flight = min(mesh.pp - stage, microbatches) if mesh.pp > 1 else 1
     activations = in_flight * saved
     logits_fwd, logits_bwd = model.logits_bytes(geo, mesh.tp, a) if last else (0.0, 0.0)
-    buffers = _pipeline_buffers(model, mesh, geo, schedule.rank_geo, microbatches, first, last, a)
-    if mesh.pp > 1 and last:  # the logits themselves are among the schedule's kept outputs (buffers)
-        logits_fwd -= geo.n_tokens * model.vocab_size * a
+    buffers = _pipeline_buffers(model, mesh, geo, microbatches, first, last, a)
     static = params + optimizer + batch + buffers
     # FSDP2's unsharded parameters held through forward and backward: the root unit, or under pipeline parallel
     # the whole stage (reshard_after_forward=False), whose unsharded gradients also last until the last microbatch
@@ -271,6 +262,14 @@ def stage_memory(
         "forward_end": static + previous_grads + held + activations + logits_fwd,
         "optimizer_step": static + grads + params,  # AdamW's foreach temporaries: one parameter-sized list
     }
+    if mesh.pp > 1 and model.statistics_pass:
+        # the forward-only statistics pass before the training pass holds every microbatch's outputs (and stage 0
+        # its inputs' clone) until it ends: no backward pops them (released after the pass, not kept beyond)
+        forward = model.boundary_bytes(geo, a)[0]
+        cache = microbatches * (geo.n_tokens * model.vocab_size * a if last else forward)
+        moments["statistics_pass"] = (
+            static + held + cache + (model.stage_input_bytes(schedule.rank_geo) if first else 0)
+        )
     moments.update(_backward_moments(mesh, state, acts, static, held, logits_bwd, in_flight, microbatches, a))
     recompute = max(acts.block_saved, default=0.0) if activation_checkpointing else 0.0
     block_full = max((v for k, v in state.unit_full.items() if k is not None), default=0)

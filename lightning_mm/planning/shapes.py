@@ -103,7 +103,7 @@ class ModelShape:
         raise NotImplementedError
 
     def stage_input_bytes(self, geo: Geometry) -> float:
-        """The first stage's inputs (what the reference VLM's statistics pass clones)."""
+        """The first stage's inputs (what the reference VLM's statistics pass clones and holds while it runs)."""
         return self.batch_bytes(geo)
 
     def logits_bytes(self, geo: Geometry, tp: int, a: int) -> tuple[float, float]:

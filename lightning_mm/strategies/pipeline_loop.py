@@ -134,7 +134,8 @@ class PipelineRunner:
             objective.begin(batch, group)
             if not train or objective.needs_statistics:
                 with torch.no_grad(), context():
-                    self.eval_schedule.eval(*[a.clone() for a in args], target=_clone(target))
+                    self.eval_schedule.eval(*[a.clone() for a in args], target=_clone(target), return_outputs=False)
+                _release(self.eval_schedule)
                 if self.has_last:
                     start = time.perf_counter()
                     objective.prepare(group, train)
@@ -143,7 +144,8 @@ class PipelineRunner:
             if train:
                 self._loss_divisor = loss_divisor
                 with context():
-                    self.train_schedule.step(*args, target=target)
+                    self.train_schedule.step(*args, target=target, return_outputs=False)
+                _release(self.train_schedule)
             values = objective.values() if self.has_last else {}
         return self._broadcast(values)
 
@@ -202,6 +204,16 @@ class PipelineRunner:
 def _stages_of(schedule: Any) -> list[Any]:
     # The schedules keep their stages as `_stage` (one per rank) or `_stages`; no public accessor in torch 2.13.
     return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
+
+
+def _release(schedule: Any) -> None:
+    """Drop what a pass leaves on its stages until the schedule's next step: the forward-only pass keeps every
+    microbatch's inputs and outputs (``fwd_cache``: no backward pops them), and a last stage keeps its outputs for
+    the schedule to merge (``output_chunks``, the logits of every microbatch). The objective has seen each output by
+    then and nothing reads them again; ``return_outputs=False`` already skips the training pass's merge, this frees
+    the rest at once instead of holding it through the other pass and the optimizer step."""
+    for stage in _stages_of(schedule):
+        stage.clear_runtime_states()
 
 
 def _clone(value: Any) -> Any:

@@ -36,6 +36,7 @@ from lightning_mm.batch import MultimodalBatch
 from lightning_mm.models import VLMModule
 from lightning_mm.models.vlm.pipeline import pad_batch
 from lightning_mm.strategies import HybridParallelStrategy
+from lightning_mm.strategies.pipeline_loop import _stages_of
 from tests.helpers import (
     InitialWeights,
     LossRecorder,
@@ -152,7 +153,17 @@ def _fit(
     assert all(p.is_meta for p in module.parameters()) == meta
     initial = None if meta else {n: p.detach().clone() for n, p in module.model.named_parameters()}
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    return _result(module, recorder, started.weights if meta else initial)
+    return {**_result(module, recorder, started.weights if meta else initial), "kept": _kept_by_stages(strategy)}
+
+
+def _kept_by_stages(strategy: HybridParallelStrategy) -> dict[str, int]:
+    """Per pass, the microbatch inputs and outputs this rank's stages still hold after the last step."""
+    runner = strategy._pipeline
+    kept = {}
+    for kind, schedule in (("statistics", runner.eval_schedule), ("training", runner.train_schedule)):
+        stages = _stages_of(schedule)
+        kept[kind] = sum(len(stage.fwd_cache) + len(stage.output_chunks) for stage in stages)
+    return kept
 
 
 def _run_world(rank: int, world: int, names: list[str]) -> dict:
@@ -270,3 +281,14 @@ def test_naive_backward_trains_nothing_and_is_caught():
     params, initial = _merged_params(results, "params"), _merged_params(results, "initial")
     unchanged = [name for name in params if torch.equal(params[name], initial[name])]
     assert unchanged == sorted(params, key=list(params).index)  # every parameter unchanged: caught above
+
+
+@pytest.mark.parametrize("world", sorted({config[0] for config in CONFIGS.values()}))
+def test_stages_keep_no_microbatch_between_steps(world):
+    """After a step, no stage holds a microbatch's inputs or outputs: torch's schedules keep the last stage's outputs
+    (the logits of every microbatch) to merge them, and a forward-only pass keeps every microbatch's inputs and
+    outputs on every stage, each until that schedule's next step; the runner needs none of them (memory the planner
+    would otherwise have to count, m times the logits on the last stage)."""
+    results = _parallel(world)
+    kept = {name: [per_rank[name]["kept"] for per_rank in results] for name in results[0]}
+    assert all(by_rank == {"statistics": 0, "training": 0} for ranks in kept.values() for by_rank in ranks), kept
