@@ -15,7 +15,8 @@ ones, the codecs interleaved within each repeat so that a slow spell of the mach
 rotation is also timed on its own, side by side: the dense ``(block, block)`` matmul with
 :func:`~lightning_mm.parallel.compression.block_rotation` against the factored form the codec applies
 (``H_a kron H_b``, :class:`~lightning_mm.parallel.compression.codecs._FactoredRotation`), with their largest
-difference. GB here means 10^9 bytes.
+difference. Side by side too: encode + decode in cache-sized chunks (the codec's default on CPU) against one
+chunk over the whole tensor, as a ratio of times. GB here means 10^9 bytes.
 
 Writes ``benchmarks/results/codec_throughput.json`` (not with ``--quick``) and prints a table.
 """
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from lightning_mm.checkpoint import write_atomically
-from lightning_mm.parallel.compression import CodecConfig, Encoded, block_rotation, decode, encode
+from lightning_mm.parallel.compression import CodecConfig, Encoded, block_rotation, codecs, decode, encode
 from lightning_mm.parallel.compression.codecs import _factored_rotation
 
 RESULTS = Path(__file__).resolve().parent / "results" / "codec_throughput.json"
@@ -123,6 +124,32 @@ def _time_rotation(x: torch.Tensor, block_size: int, repeats: int) -> dict[str, 
     }
 
 
+def _time_chunking(x: torch.Tensor, repeats: int) -> dict[str, dict[str, float]]:
+    """Encode + decode chunk by chunk (``codecs._CHUNK_ELEMENTS``, the default) against one chunk over the whole
+    tensor (every pass streaming full-size temporaries, as before the codec was chunked), interleaved; per codec the
+    median of the per-repeat time ratios (the same bytes either way)."""
+    default = codecs._CHUNK_ELEMENTS
+    ratios: dict[str, dict[str, float]] = {}
+    for name in ("int8", "int4", "int4_rotation (T1)"):
+        config = CODECS[name]
+        wire = encode(x, config).to_bytes()
+
+        def both(chunk: int, config=config, wire=wire) -> float:
+            codecs._CHUNK_ELEMENTS = chunk
+            try:
+                return _seconds(lambda: (encode(x, config).to_bytes(), decode(Encoded.from_bytes(wire))))
+            finally:
+                codecs._CHUNK_ELEMENTS = default
+
+        pairs = [(both(default), both(x.numel())) for _ in range(repeats + 2)][2:]
+        ratios[name] = {
+            "chunked_ms": 1e3 * statistics.median(p[0] for p in pairs),
+            "whole_ms": 1e3 * statistics.median(p[1] for p in pairs),
+            "chunked_over_whole": statistics.median(p[0] / p[1] for p in pairs),
+        }
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4 * 1024 * 1024, 256 * 1024])
@@ -147,7 +174,8 @@ def main() -> None:
         x = _gradient_like(numel)
         rows = _time_codecs(x, args.repeats)
         rotation = _time_rotation(x, 128, args.repeats)
-        record["sizes"][str(numel)] = {"codecs": rows, "rotation": rotation}
+        chunking = _time_chunking(x, args.repeats)
+        record["sizes"][str(numel)] = {"codecs": rows, "rotation": rotation, "chunking": chunking}
         print(f"\n{numel:,} fp32 elements ({numel * 4 / 2**20:.0f} MiB), one core, medians of {args.repeats}")
         print(f"{'codec':22} {'vs fp32':>8} {'enc ms':>8} {'dec ms':>8} {'enc+dec GB/s':>13} {'feedback ms':>12}")
         for name, row in rows.items():
@@ -159,6 +187,10 @@ def main() -> None:
             f"rotation of 128-blocks: dense matmul {rotation['dense_matmul_ms']:.2f} ms, factored "
             f"{rotation['factored_ms']:.2f} ms (ratio {rotation['factored_over_dense']:.2f}, largest difference "
             f"{rotation['largest_difference']:.1e} for inputs up to {rotation['largest_input']:.1e})"
+        )
+        print(
+            f"encode + decode in chunks of {codecs._CHUNK_ELEMENTS:,} elements / in one: "
+            + ", ".join(f"{name} {row['chunked_over_whole']:.2f}" for name, row in chunking.items())
         )
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

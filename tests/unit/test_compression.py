@@ -374,6 +374,40 @@ def test_factored_rotation_equals_the_dense_matrix_across_chunks(block_size):
     torch.testing.assert_close(rotation.unrotate(rotation.rotate(blocks)), blocks, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotation_in_place_equals_a_new_tensor(inverse):
+    """The codec rotates each chunk into its own buffer (``out`` the input itself); as out of place."""
+    from lightning_mm.parallel.compression.codecs import _CHUNK_ELEMENTS, _factored_rotation
+
+    rotation = _factored_rotation(128, torch.device("cpu"))
+    apply = rotation.unrotate if inverse else rotation.rotate
+    blocks = torch.randn((_CHUNK_ELEMENTS + 5 * 128) // 128, 128)
+    expected = apply(blocks)
+    assert apply(blocks, out=blocks) is blocks
+    assert torch.equal(blocks, expected)
+
+
+@pytest.mark.parametrize(
+    "bits, block_size, rotate",
+    [(8, 128, False), (4, 128, True), (4, 100, False), (8, 33, False), (4, 33, False), (4, 64, True)],
+)
+def test_codec_results_do_not_depend_on_the_chunking(monkeypatch, bits, block_size, rotate):
+    """On CPU the codec quantizes and dequantizes chunk by chunk (cache-sized, codecs._CHUNK_ELEMENTS); chunks of
+    a few blocks (odd counts of codes and a short last block included) give the same codes, scales and values as
+    one chunk over the whole tensor."""
+    from lightning_mm.parallel.compression import codecs
+
+    x = torch.randn(3 * 1024 + 77, generator=torch.Generator().manual_seed(3)) * torch.logspace(-6, 0, 3 * 1024 + 77)
+    monkeypatch.setattr(codecs, "_CHUNK_ELEMENTS", 1 << 30)
+    codes, scales = quantize_blocks(x, bits, block_size, torch.bfloat16, rotate)
+    values = dequantize_blocks(codes, scales, x.numel(), bits, block_size, rotate)
+    for chunk in (1, 3 * block_size, 1000):
+        monkeypatch.setattr(codecs, "_CHUNK_ELEMENTS", chunk)
+        chunked_codes, chunked_scales = quantize_blocks(x, bits, block_size, torch.bfloat16, rotate)
+        assert torch.equal(chunked_codes, codes) and torch.equal(chunked_scales, scales), chunk
+        assert torch.equal(dequantize_blocks(codes, scales, x.numel(), bits, block_size, rotate), values), chunk
+
+
 @pytest.mark.parametrize("count", [1, 2, 7, 4096, 4097])
 def test_nibble_packing_round_trips_every_code(count):
     from lightning_mm.parallel.compression.codecs import _pack_nibbles, _unpack_nibbles
