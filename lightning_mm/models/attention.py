@@ -190,6 +190,24 @@ class SegmentLayout:
             )
         return self._attend_flex(q, k, v)
 
+    def prepare(self, activations: torch.Tensor, head_dim: int) -> None:
+        """Compute now what :meth:`attend` will read for the queries of a layer whose input is like ``activations``
+        (its device and dtype, or autocast's) with heads of ``head_dim``: the implementation's choice and its mask or
+        index tensors. Results are the same whether or not this runs first.
+
+        Why: a model calls this once per forward, before its blocks, so that a block compiled with ``torch.compile``
+        only reads them. Computed inside the block, each is a graph break: ``functools.cached_property`` takes a lock
+        that dynamo cannot enter (Python 3.11), and the choice and the index tensors depend on the data (``int()``,
+        ``nonzero``, a Python loop over segment groups).
+        """
+        device = activations.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else activations.dtype
+        kind = self.choose(activations.new_empty((0, 0, 0, head_dim), dtype=dtype))
+        if kind == "flex":
+            self._block_mask(device)
+        else:  # a cached property, computed and kept on first read
+            getattr(self, {"dense": "mask", "segments": "_groups", "varlen": "_varlen_plan"}[kind])
+
     def choose(self, q: torch.Tensor) -> str:
         """The implementation :meth:`attend` runs for a query tensor like ``q`` (device and dtype decide)."""
         if self.implementation != "auto":

@@ -217,6 +217,12 @@ class SegmentLayouts:
     media: SegmentLayout
     """tokens to the patches of their own image"""
 
+    def prepare_text(self, text: torch.Tensor, head_dim: int) -> None:
+        """:meth:`SegmentLayout.prepare` of the text and media layouts for decoder layers whose input is like ``text``
+        (``vision`` is prepared by the vision encoder)."""
+        self.text.prepare(text, head_dim)
+        self.media.prepare(text, head_dim)
+
 
 def segment_layouts(
     patch_segment: torch.Tensor, token_segment: torch.Tensor, slots: int, implementation: str
@@ -454,6 +460,7 @@ class VisionEncoder(nn.Module):
     def __init__(self, config: VLMConfig) -> None:
         super().__init__()
         width = config.vision_width
+        self.head_dim = width // config.vision_heads
         self.patch_embed = nn.Linear(3 * config.patch_size**2, width)
         self.row_embed = nn.Embedding(config.max_patches_per_image, width)
         self.col_embed = nn.Embedding(config.max_patches_per_image, width)
@@ -469,6 +476,8 @@ class VisionEncoder(nn.Module):
         """``patches (R, Np, 3PP)``, ``patch_pos (R, Np, 2)``, ``mask`` (layout, or ``(R, Np, Np)`` bool)
         -> ``(R, Np, Dv)``."""
         x = self.patch_embed(patches) + self.row_embed(patch_pos[..., 0]) + self.col_embed(patch_pos[..., 1])
+        if isinstance(mask, SegmentLayout):
+            mask.prepare(x, self.head_dim)  # before the blocks, which may be compiled
         for block in self.blocks:
             x = block(x, mask)
         return self.norm(x)
@@ -622,6 +631,7 @@ class VisionLanguageModel(nn.Module):
 
         # Text: causal inside each caption, rotary positions restart at every caption.
         text = self.embed_tokens(batch.tokens)  # (R, T, Dt)
+        layouts.prepare_text(text, config.text_width // config.text_heads)
         rotary = rotary_tables(
             segment_positions_from_ids(batch.token_segment, slots),
             config.text_width // config.text_heads,

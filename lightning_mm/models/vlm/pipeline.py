@@ -229,6 +229,7 @@ class VLMStage(nn.Module):
             text, media, image_embeds, text_embeds, patch_segment, token_segment, pairs, counts, probs, rows = args
             slots = pairs.shape[1]
             layouts = segment_layouts(patch_segment, token_segment, slots, config.attention)
+        layouts.prepare_text(text, config.text_width // config.text_heads)
         rotary = rotary_tables(
             segment_positions_from_ids(token_segment, slots),
             config.text_width // config.text_heads,
