@@ -40,15 +40,15 @@ checkpointing (AC).
   loss in fp32); tensor parallel divides the per-head and MLP-hidden parts by ``tp``. With AC: every block's inputs,
   and in backward one block recomputed. 1F1B keeps ``min(pp - s, m)`` microbatches in flight on stage ``s``;
 * pipeline buffers (``torch.distributed.pipelining``): receive buffers of every microbatch (one set per pass); the
-  microbatches' outputs (the logits) and a forward-only pass's cache are released after each pass (the reference
-  VLM's statistics pass holds them while it runs: a moment of its own below);
+  microbatches' outputs (the logits) and a forward-only pass's cache are released after each pass (a forward-only
+  pass holds the sent outputs while it runs, the last stage one microbatch's logits: moments of their own below);
 * the peak is the largest of: the end of forward (the previous step's gradients are still alive, since Lightning
   zeroes them between forward and backward, except under pipeline parallel; plus the logits), the start of backward
   (loss-gradient buffers), each block's backward in turn (its activations and FSDP2 buffers with the kept
   activations of the blocks before it and the gradients already produced; under 1F1B both the first backward, all
-  microbatches in flight, and a later one, with the earlier microbatches' gradients), the end of the reference VLM's
-  forward-only statistics pass under pipeline parallel (every microbatch's outputs) and the optimizer step (AdamW's
-  foreach temporaries, one parameter-sized).
+  microbatches in flight, and a later one, with the earlier microbatches' gradients), under pipeline parallel the end
+  of a forward-only pass (the reference VLM's statistics pass; validation, for every model, with the last step's
+  gradients alive: not validated on CPU) and the optimizer step (AdamW's foreach temporaries, one parameter-sized).
   ``bf16-mixed`` is modelled as FSDP2's bf16 parameter casting (2-byte activations, fp32 norm statistics and losses,
   fp32 reduction), and without FSDP as autocast (plus a bf16 copy of every matmul weight from its forward to its
   backward); it is not validated on CPU (``benchmarks/gpu_check.py`` compares it on a GPU).

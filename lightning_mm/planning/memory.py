@@ -42,7 +42,8 @@ def _pipeline_buffers(model: ModelShape, mesh: Mesh, geo: Geometry, m: int, firs
     microbatch (activations on later stages, one set per pass: the reference VLM's forward-only statistics pass has
     stages of its own; gradients on earlier ones). Each microbatch's outputs and a forward-only pass's cache are not
     kept: the runner passes ``return_outputs=False`` and releases the stages after each pass
-    (:mod:`lightning_mm.strategies.pipeline_loop`)."""
+    (:mod:`lightning_mm.strategies.pipeline_loop`). A fit that validates also keeps the forward-only stages' receive
+    buffers of a model without a statistics pass after its first validation (counted in the validation moment only)."""
     if mesh.pp == 1:
         return 0.0
     forward, backward = model.boundary_bytes(geo, a)
@@ -262,14 +263,21 @@ def stage_memory(
         "forward_end": static + previous_grads + held + activations + logits_fwd,
         "optimizer_step": static + grads + params,  # AdamW's foreach temporaries: one parameter-sized list
     }
-    if mesh.pp > 1 and model.statistics_pass:
-        # the forward-only statistics pass before the training pass holds every microbatch's outputs (and stage 0
-        # its inputs' clone) until it ends: no backward pops them (released after the pass, not kept beyond)
+    if mesh.pp > 1:
+        # A forward-only pass (the reference VLM's statistics pass before each training pass; validation, for every
+        # model) holds, until it ends, every microbatch's outputs on the stages that send them (and stage 0 its
+        # inputs' clone); the last stage one microbatch's logits and its loss at a time
+        # (strategies.pipeline_loop.forward_only_stage). Validation also finds the last step's gradients alive
+        # (zeroed at the next training step) and, for a model without a statistics pass, allocates the forward-only
+        # stages' own receive buffers.
         forward = model.boundary_bytes(geo, a)[0]
-        cache = microbatches * (geo.n_tokens * model.vocab_size * a if last else forward)
-        moments["statistics_pass"] = (
-            static + held + cache + (model.stage_input_bytes(schedule.rank_geo) if first else 0)
+        cache = (logits_fwd if last else microbatches * forward) + (
+            model.stage_input_bytes(schedule.rank_geo) if first else 0
         )
+        if model.statistics_pass:
+            moments["statistics_pass"] = static + held + cache
+        receive = 0.0 if model.statistics_pass or first else microbatches * forward
+        moments["validation"] = static + receive + grads + held + cache
     moments.update(_backward_moments(mesh, state, acts, static, held, logits_bwd, in_flight, microbatches, a))
     recompute = max(acts.block_saved, default=0.0) if activation_checkpointing else 0.0
     block_full = max((v for k, v in state.unit_full.items() if k is not None), default=0)

@@ -75,9 +75,9 @@ class PipelineRunner:
         self.has_first = 0 in self.stage_ids
         self.has_last = num_stages - 1 in self.stage_ids
 
-        def stages() -> list[PipelineStage]:
+        def stages(cls: type[PipelineStage] = PipelineStage) -> list[PipelineStage]:
             return [
-                PipelineStage(module, stage, num_stages, device, group=pp_group)
+                cls(module, stage, num_stages, device, group=pp_group)
                 for module, stage in zip(self.stage_modules, self.stage_ids, strict=True)
             ]
 
@@ -86,7 +86,7 @@ class PipelineRunner:
         # Forward only, the breadth-first order is the shortest (no backward to interleave): GPipe for one stage per
         # rank, LoopedBFS for several; whatever the training schedule is.
         forward_schedule = "GPipe" if len(self.stage_ids) == 1 else "LoopedBFS"
-        self.eval_schedule = build_schedule(stages(), forward_schedule, microbatches, self._observe)
+        self.eval_schedule = build_schedule(stages(forward_only_stage()), forward_schedule, microbatches, self._observe)
         self.recorder = TimelineRecorder(_stages_of(self.train_schedule))
         self.recorder.watch(_stages_of(self.eval_schedule), forward_kind="S", forward_only=True)
         self._value_names: list[str] | None = None
@@ -204,6 +204,36 @@ class PipelineRunner:
 def _stages_of(schedule: Any) -> list[Any]:
     # The schedules keep their stages as `_stage` (one per rank) or `_stages`; no public accessor in torch 2.13.
     return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
+
+
+@functools.cache
+def forward_only_stage() -> type:
+    """A ``PipelineStage`` for forward-only schedules whose last stage keeps no microbatch while the pass runs.
+
+    torch keeps each microbatch's inputs and outputs in the stage's ``fwd_cache`` for its backward; with no backward
+    nothing removes them before the pass ends, so the last stage of a forward-only pass (validation, the reference
+    VLM's statistics pass) held every microbatch's logits at once. Its output goes to the loss callback as the
+    schedule's return value of ``forward_one_chunk`` and is sent nowhere, so the entry is dropped at once (one
+    microbatch's logits alive instead of all of them). Earlier stages keep theirs until the pass ends: their sends
+    read them. (torch's ``return_outputs=False``, https://github.com/pytorch/pytorch/pull/165822, stops the merge
+    copy in ``output_chunks`` only; the cache stays.)
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    class ForwardOnlyStage(PipelineStage):
+        def forward_one_chunk(
+            self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None, save_forward_output: bool = True
+        ) -> Any:
+            output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+            if self.is_last:
+                del self.fwd_cache[fwd_chunk_id]
+            return output
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+            # (the last stage sends nothing; torch reads the dropped entry before finding no peer)
+            return [] if self.is_last else super().get_fwd_send_ops(fwd_chunk_id)
+
+    return ForwardOnlyStage
 
 
 def _release(schedule: Any) -> None:

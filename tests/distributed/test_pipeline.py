@@ -36,7 +36,7 @@ from lightning_mm.batch import MultimodalBatch
 from lightning_mm.models import VLMModule
 from lightning_mm.models.vlm.pipeline import pad_batch
 from lightning_mm.strategies import HybridParallelStrategy
-from lightning_mm.strategies.pipeline_loop import _stages_of
+from lightning_mm.strategies.pipeline_loop import _stages_of, forward_only_stage
 from tests.helpers import (
     InitialWeights,
     LossRecorder,
@@ -292,3 +292,32 @@ def test_stages_keep_no_microbatch_between_steps(world):
     results = _parallel(world)
     kept = {name: [per_rank[name]["kept"] for per_rank in results] for name in results[0]}
     assert all(by_rank == {"statistics": 0, "training": 0} for ranks in kept.values() for by_rank in ranks), kept
+
+
+def _cache_sizes_at_the_loss(rank: int, world: int) -> dict[str, list[int]]:
+    """A 2-stage forward-only GPipe pass of 4 microbatches; per stage class, how many microbatches the last stage
+    holds in its cache each time the loss sees one."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    sizes: dict[str, list[int]] = {}
+    for name, cls in (("torch", PipelineStage), ("forward_only", forward_only_stage())):
+        torch.manual_seed(0)
+        stage = cls(torch.nn.Linear(4, 4), rank, world, torch.device("cpu"))
+        seen = sizes.setdefault(name, [])
+
+        def loss(output, target, stage=stage, seen=seen):
+            seen.append(len(stage.fwd_cache))
+            return (output - target).square().sum()
+
+        schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss, scale_grads=False)
+        args = (torch.randn(8, 4),) if rank == 0 else ()
+        with torch.no_grad():
+            schedule.eval(*args, target=torch.randn(8, 4), return_outputs=False)
+    return sizes
+
+
+def test_forward_only_pass_keeps_one_microbatch_on_the_last_stage():
+    """Validation and the statistics pass: torch's stage keeps every microbatch's output until the pass ends (1, 2,
+    3, 4 at the loss), the runner's forward-only stage none beyond the one the loss is computing (0 each time)."""
+    last = run_distributed(_cache_sizes_at_the_loss, 2)[1]
+    assert last == {"torch": [1, 2, 3, 4], "forward_only": [0, 0, 0, 0]}

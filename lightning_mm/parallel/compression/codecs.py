@@ -252,11 +252,12 @@ class _FactoredRotation:
 
     @torch.no_grad()  # a codec step (``out=`` refuses tensors that require grad)
     def _apply(self, blocks: torch.Tensor, inverse: bool, out: torch.Tensor | None) -> torch.Tensor:
-        # Chunk by chunk (_chunk_rows), so that each chunk's two intermediate products stay in the core's cache; the
+        # Chunk by chunk (_ROTATION_CHUNK_ELEMENTS), so that each chunk's two intermediate products stay in the core's
+        # cache; the
         # result goes straight into ``out``. In place is safe: a chunk is read whole into the first product before
         # its rows are written.
         out = torch.empty_like(blocks) if out is None else out
-        rows = _chunk_rows(blocks)
+        rows = _chunk_rows(blocks, _ROTATION_CHUNK_ELEMENTS)
         for first in range(0, blocks.shape[0], rows):
             source = blocks[first : first + rows].view(-1, self.rows, self.cols)
             target = out[first : first + rows].view(-1, self.rows, self.cols)
@@ -274,19 +275,21 @@ def _factored_rotation(block_size: int, device: torch.device) -> _FactoredRotati
 
 # On CPU the codec runs over chunks of this many elements (2 MiB of fp32), so that each pass over a chunk (rotate,
 # block maxima, scale, round, convert, pack) reads what the previous one left in cache instead of streaming a
-# full-size temporary through memory per pass: 0.78-0.82x the time of one pass over a whole 16 MiB tensor, the same
-# at 1 MiB (benchmarks/codec_throughput.py; 128 Ki to 512 Ki elements measured alike, smaller chunks pay PyTorch's
-# per-operation cost). Accelerators take the whole tensor at once (chunks there would only multiply kernel
-# launches). Results do not depend on the chunking: every step works per block.
+# full-size temporary through memory per pass (benchmarks/codec_throughput.py: INT8 / INT4 encode and decode 16 MiB
+# in 0.81-0.82x the time of one chunk over the whole tensor). The rotation runs over smaller chunks inside: its two
+# intermediate products stay in a core's L2 (1 MiB here) at 256 KiB. Accelerators take the whole tensor at once
+# (chunks there would only multiply kernel launches). Results do not depend on the chunking: every step works per
+# block.
 _CHUNK_ELEMENTS = 1 << 19
+_ROTATION_CHUNK_ELEMENTS = 1 << 16
 
 
-def _chunk_rows(blocks: torch.Tensor) -> int:
-    """Rows of ``blocks (nb, block_size)`` per chunk: an even number (4-bit codes pack in pairs); all of them on
-    accelerators."""
+def _chunk_rows(blocks: torch.Tensor, elements: int | None = None) -> int:
+    """Rows of ``blocks (nb, block_size)`` per chunk of about ``elements`` (default :data:`_CHUNK_ELEMENTS`): an even
+    number (4-bit codes pack in pairs); all of them on accelerators."""
     if blocks.device.type != "cpu":
         return max(1, blocks.shape[0])
-    return max(2, _CHUNK_ELEMENTS // blocks.shape[1] // 2 * 2)
+    return max(2, (elements or _CHUNK_ELEMENTS) // blocks.shape[1] // 2 * 2)
 
 
 def code_count(count: int, block_size: int, rotated: bool) -> int:
@@ -303,6 +306,7 @@ def _padded_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, blocks_count * block_size - numel)).view(blocks_count, block_size)
 
 
+@torch.no_grad()  # a codec step: ``out=`` writes refuse inputs that require grad, and no graph is wanted
 def quantize_blocks(
     x: torch.Tensor,
     bits: int = 8,
@@ -342,7 +346,9 @@ def quantize_blocks(
         # rotated into this chunk's buffer; else read where it is (``blocks`` may be a view of ``x``: never written)
         source = rotation.rotate(chunk, out=values) if rotation is not None else chunk
         # max |x| per block from two reductions, without writing |x| out.
-        absmax = torch.maximum(source.amax(dim=1), source.amin(dim=1).neg_())
+        # (abs_: an all-zero block's maximum is -0.0 or +0.0 depending on the vector lane it falls in, so on where a
+        # chunk ends; +0.0 always, so that the bytes do not depend on the chunking)
+        absmax = torch.maximum(source.amax(dim=1), source.amin(dim=1).neg_()).abs_()
         chunk_scales = _round_scale_up(absmax / qmax, scale_dtype)  # (rows,)
         scales[first : first + rows] = chunk_scales
         # An all-zero block has scale 0; dividing by 1 keeps its codes 0 without a 0/0 NaN.
@@ -356,6 +362,7 @@ def quantize_blocks(
     return (packed if packed is not None else codes[:sent]), scales
 
 
+@torch.no_grad()
 def dequantize_blocks(
     codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int = 8, block_size: int = 128, rotate: bool = False
 ) -> torch.Tensor:
