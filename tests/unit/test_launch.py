@@ -244,14 +244,6 @@ def _start_the_compile_pool(rank: int, world: int) -> int:
     return os.getpid()
 
 
-def test_inductor_compile_pool_threads_do_not_retire_the_ranks(capfd):
-    with launch.warm_ranks():
-        compiled = launch.run_distributed(_start_the_compile_pool, 2)
-        after = launch.run_distributed(_pid, 2)
-    assert compiled == after
-    assert "warm ranks retired" not in capfd.readouterr().err
-
-
 def _show_a_progress_bar(rank: int, world: int) -> int:
     """A tqdm progress bar, as Hugging Face's loading shows (tqdm starts its monitor thread with the first bar)."""
     import tqdm  # (installed with the [hf] extra's transformers)
@@ -261,11 +253,13 @@ def _show_a_progress_bar(rank: int, world: int) -> int:
     return os.getpid()
 
 
-def test_a_progress_bar_does_not_retire_the_ranks(capfd):
+@pytest.mark.parametrize("work", [_start_the_compile_pool, _show_a_progress_bar], ids=["compile_pool", "progress_bar"])
+def test_library_threads_do_not_retire_the_ranks(capfd, work):
+    """Threads a library keeps for the process (inductor's compile pool, tqdm's monitor) are no leak of the launch."""
     with launch.warm_ranks():
-        shown = launch.run_distributed(_show_a_progress_bar, 2)
+        before = launch.run_distributed(work, 2)
         after = launch.run_distributed(_pid, 2)
-    assert shown == after
+    assert before == after
     assert "warm ranks retired" not in capfd.readouterr().err
 
 
