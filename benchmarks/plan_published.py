@@ -84,8 +84,6 @@ def unmodelled(run: dict[str, Any]) -> list[str]:
         missing.append(f"context parallel (cp={run['mesh']['cp']})")
     if run.get("async_tp"):
         missing.append("async TP")
-    if run["mesh"]["tp"] > 1 and run["mesh"]["pp"] > 1:
-        missing.append("sequence parallel under pipeline parallel (lightning-mm refuses it; estimated without)")
     schedule = str(run.get("pp_schedule") or "")
     if schedule and schedule.replace(" ", "").lower() not in ("1f1b", "gpipe"):
         missing.append(f"pipeline schedule {schedule}")
@@ -99,9 +97,8 @@ def estimate(run: dict[str, Any], configs: dict[str, Any]) -> dict[str, Any]:
     cp = m.get("cp", 1)
     # Context parallel is not modelled: its ranks are counted as data parallel (each holds 1 / cp of the sequence:
     # the tokens per rank stay those of the run), so the estimate is for information only.
-    # torchtitan runs TP with sequence and loss parallel; lightning-mm refuses sequence parallel under pp, so a pp
-    # mesh is estimated without it (more memory than torchtitan's, noted in not_modelled).
-    sp = m["tp"] > 1 and m["pp"] == 1
+    # torchtitan runs TP with sequence parallel (and loss parallel without pp), as lightning-mm's HF adapter does
+    sp = m["tp"] > 1
     mesh = Mesh(pp=m["pp"], dp_replicate=m["dp_replicate"], dp_shard=m["dp_shard"] * cp, tp=m["tp"], sp=sp)
     # local batch = rows per data-parallel rank per step; under pp torchtitan splits it into as many microbatches as
     # there are stages (its default), each one forward of the schedule

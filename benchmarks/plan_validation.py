@@ -139,6 +139,18 @@ RUNS: dict[int, list[tuple[str, str, dict[str, Any]]]] = {
         ("llama", "fsdp2xtp2", {"data_parallel_shard": 2, "tensor_parallel": 2}),
         ("llama", "fsdp2xtp2+sp", {"data_parallel_shard": 2, "tensor_parallel": 2, "sequence_parallel": True}),
         ("llama", "pp2xfsdp2", {"pipeline_parallel": 2, "data_parallel_shard": 2, "microbatches": 2}),
+        # stages exchanging sequence shards, the last stage's loss vocab-parallel
+        (
+            "llama",
+            "pp2xtp2+sp",
+            {
+                "pipeline_parallel": 2,
+                "tensor_parallel": 2,
+                "data_parallel_shard": 1,
+                "sequence_parallel": True,
+                "microbatches": 2,
+            },
+        ),
     ],
 }
 

@@ -39,6 +39,7 @@ pairs, a balance loss over all routed tokens) cannot be computed that way withou
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -89,6 +90,11 @@ class PipelineObjective:
     def microbatch_loss(self, output: Any, target: Any) -> torch.Tensor:
         """Training pass: this microbatch's share of the batch loss (shares sum to the batch loss)."""
         raise NotImplementedError
+
+    def pass_context(self) -> AbstractContextManager:
+        """Entered around each whole pass (the schedule's forward and backward of every microbatch), on every rank:
+        e.g. ``loss_parallel()`` for a loss over vocab-sharded logits. Nothing by default."""
+        return nullcontext()
 
     def values(self) -> dict[str, torch.Tensor]:
         """Scalar losses of the whole batch for logging; ``"loss"`` is the one Lightning reports (last stage)."""
@@ -149,6 +155,11 @@ class PipelineSpec:
     """Batch -> number of rows (what is split into microbatches); default: dim 0 of the first stage-0 input."""
     max_stages_per_rank: int | None = None
     """``None``: any number (interleaved schedules); ``1``: the model supports one stage per rank only."""
+    sequence_shards: bool = False
+    """Whether the stages run under ``sequence_parallel=True``: each tensor-parallel rank's stage sends and receives
+    its ``1 / tp`` of the sequence (the stage returns the local shard of its sequence-sharded hidden states, and the
+    model's tensor-parallel plan takes a received one back as a sequence shard). False: the strategy refuses
+    ``sequence_parallel`` with ``pipeline_parallel > 1`` for the model."""
 
 
 @dataclass

@@ -70,6 +70,11 @@ class TiedAcrossStages:
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            elif isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                # A vocab-sharded embedding's gradient comes back from DTensor's embedding backward replicated or
+                # partial over tp, not sharded as its weight (the LM head's copy is): the copies' local shards must
+                # match element by element before they are summed.
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
             dist.all_reduce(_local(param.grad), op=dist.ReduceOp.SUM, group=self.group)
 
     def __repr__(self) -> str:

@@ -47,6 +47,7 @@ class CausalLMShape(ModelShape):
         self.model_type = str(cfg.get("model_type", "llama"))
         self.name = f"hf:{self.model_type}"
         self.supports_sequence_parallel = self.model_type in ("llama", "mistral", "qwen2")
+        self.sequence_parallel_stages = self.supports_sequence_parallel
         self.tp_degree = 1
         h, i, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
         heads = int(cfg["num_attention_heads"])
@@ -119,11 +120,11 @@ class CausalLMShape(ModelShape):
         return out
 
     def on(self, mesh: Mesh) -> CausalLMShape:
-        # HFCausalLMModule keeps vocab-sharded logits under tp without pp (loss_parallel), and runs the sequence-
-        # parallel plan when asked (mesh.sp).
+        # HFCausalLMModule keeps vocab-sharded logits under tp, pipelined or not (loss_parallel), and runs the
+        # sequence-parallel plan when asked (mesh.sp).
         shape = copy.copy(self)
         shape.sequence_parallel = mesh.sp and mesh.tp > 1
-        shape.loss_parallel = mesh.tp > 1 and mesh.pp == 1
+        shape.loss_parallel = mesh.tp > 1
         shape.tp_degree = mesh.tp
         return shape
 
@@ -230,8 +231,10 @@ class CausalLMShape(ModelShape):
         return len(self.blocks_of(units)) * per_block
 
     def boundary_bytes(self, geo: Geometry, a: int) -> tuple[float, float]:
-        hidden = geo.n_tokens * self.hidden * a
-        return hidden + geo.n_tokens * INDEX, hidden  # hidden states + attention mask; their gradient
+        # hidden states (under sequence parallel this tp rank's sequence shard), attention mask and position ids;
+        # the hidden states' gradient
+        hidden = geo.n_tokens * self.hidden * a / (self.tp_degree if self.sequence_parallel else 1)
+        return hidden + geo.n_tokens * 2 * INDEX, hidden
 
     @property
     def max_stages(self) -> int:

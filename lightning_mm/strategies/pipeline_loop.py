@@ -133,7 +133,7 @@ class PipelineRunner:
         with torch.inference_mode(False):
             objective.begin(batch, group)
             if not train or objective.needs_statistics:
-                with torch.no_grad(), context():
+                with torch.no_grad(), context(), objective.pass_context():
                     self.eval_schedule.eval(*[a.clone() for a in args], target=_clone(target), return_outputs=False)
                 _release(self.eval_schedule)
                 if self.has_last:
@@ -143,7 +143,7 @@ class PipelineRunner:
                         self.recorder.events.append(("O", self.split.num_stages - 1, -1, start, time.perf_counter()))
             if train:
                 self._loss_divisor = loss_divisor
-                with context():
+                with context(), objective.pass_context():
                     self.train_schedule.step(*args, target=target, return_outputs=False)
                 _release(self.train_schedule)
             values = objective.values() if self.has_last else {}

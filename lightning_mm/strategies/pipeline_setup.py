@@ -27,6 +27,7 @@ from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.parallel.fsdp import apply_fsdp, checkpoint_and_compile, transformer_blocks
 from lightning_mm.parallel.materialize import shared_parameters
 from lightning_mm.parallel.pipeline import (
+    PassThrough,
     PipelineSplit,
     auto_split,
     explicit_split,
@@ -152,13 +153,13 @@ def build_pipeline(
     microbatches of a step, as torchtitan does under PP). Stage modules share the model's submodules, so the
     optimizer and checkpoints see the unsplit FQNs of this rank's layers.
     """
-    if dims.tp_enabled and sequence_parallel:
-        raise ValueError(
-            "pipeline_parallel > 1 with sequence_parallel=True is not supported yet (the sequence-"
-            "parallel plan shards and gathers at the model's entry and exit, which a stage may not "
-            "hold); use sequence_parallel=False"
-        )
     spec = pipeline_spec(module, plan, split, microbatches)
+    if dims.tp_enabled and sequence_parallel and not spec.sequence_shards:
+        raise ValueError(
+            f"pipeline_parallel > 1 with sequence_parallel=True: {type(module).__name__}'s pipeline does not carry "
+            "sequence shards between its stages (its sequence-parallel plan shards and gathers at the model's entry "
+            "and exit, which a stage may not hold); use sequence_parallel=False"
+        )
     num_stages = dims.pp * virtual_stages
     if spec.max_stages_per_rank is not None and virtual_stages > spec.max_stages_per_rank:
         raise ValueError(
@@ -173,8 +174,10 @@ def build_pipeline(
     stage_modules = spec.build_stages(stages, stage_ids)
     if dims.tp_enabled:
         # The plan, restricted to the modules this rank's stages still hold (patterns of pruned layers would
-        # otherwise "match nothing"). Stage boundaries carry plain tensors, replicated over tp.
-        present = [name for name, _ in module.named_modules()]
+        # otherwise "match nothing"). Stage boundaries carry plain tensors: replicated over tp, or under sequence
+        # parallel each tp rank's sequence shard (PipelineSpec.sequence_shards).
+        # (a unit another stage holds is a PassThrough under its own FQN: no style applies to it)
+        present = [name for name, sub in module.named_modules() if not isinstance(sub, PassThrough)]
         kept = {
             pattern: style
             for pattern, style in tp_plan().items()

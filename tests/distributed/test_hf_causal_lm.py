@@ -6,8 +6,9 @@ batches with padding, in float32. LLaVA: fsdp2 and pp2 (vision tower, projector 
 Llama with LoRA adapters: pp2 (the adapters travel with their layers), tp2 and tp2 x fsdp2 (each adapter split like
 its base layer). Qwen2 with a tied embedding and LM head: tp2, tp2 x fsdp2, pp2. A user's own LightningModule
 holding an LlamaForCausalLM, with no plan and no split: tp2, pp2. fsdp2 with activation checkpointing too, and
-selective activation checkpointing on fsdp2 and tp2 + sequence parallel. Llama with
-every decoder layer through ``torch.compile`` (``compile=True``, inductor): fsdp2, tp2, fsdp2 + activation
+selective activation checkpointing on fsdp2 and tp2 + sequence parallel. pp2 x tp2 + sequence parallel (4 ranks:
+the stages exchange sequence shards, the last stage's loss is vocab-parallel) for tied Qwen2 and LLaVA.
+Llama with every decoder layer through ``torch.compile`` (``compile=True``, inductor): fsdp2, tp2, fsdp2 + activation
 checkpointing, pp2.
 bf16-mixed under fsdp2 runs and stays within 2 % of the fp32 losses.
 
@@ -33,6 +34,7 @@ import functools
 import lightning as L
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.regroup import collate_packed
@@ -63,7 +65,8 @@ parameter): llama fsdp2, fsdp2_ac, pp2, pp2_fsdp2 1.09, 1.08, 1.10-1.11; llama t
 Unset threads (2026-12-03): qwen2_tied tp2 1.22, 1.56, 12.8; tp2_fsdp2 0.54, 1.36, 13.6; pp2 0.57, 1.04, 2.06;
 user_llama tp2 0.56, 0.56, 0.61; pp2 1.02, 1.06, 1.07; llama_lora (q, v, o) tp2 1.00, 0.84, 2.22; tp2_fsdp2 1.29,
 0.75, 1.86; pp2 1.50, 1.10, 1.18. compile=True (inductor, unset threads): llama fsdp2, fsdp2 + AC, pp2 1.25, 1.23,
-1.27; tp2 0.61, 0.57, 0.61.
+1.27; tp2 0.61, 0.57, 0.61. pp2 x tp2 + sp (unset threads, 2026-12-04): llama 0.72, 0.63, 0.66; qwen2_tied 0.36,
+1.74, 11.4; llava 1.22, 1.15, 2.77.
 """
 
 MESHES = {
@@ -76,6 +79,17 @@ MESHES = {
     # sequence parallel between the layers' TP regions (and, as under every tp mesh, loss parallel)
     "tp2_sp": (2, {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}),
     "tp2_sp_fsdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2, "sequence_parallel": True}),
+    # pipeline stages exchanging each tp rank's sequence shard of the hidden states
+    "pp2_tp2_sp": (
+        4,
+        {
+            "pipeline_parallel": 2,
+            "tensor_parallel": 2,
+            "data_parallel_shard": 1,
+            "sequence_parallel": True,
+            "microbatches": 2,
+        },
+    ),
     # selective activation checkpointing (attention, the reduce-scatter and every second matmul kept)
     "fsdp2_sac": (2, {"data_parallel_shard": 2, "activation_checkpointing": "selective"}),
     "tp2_sp_sac": (
@@ -204,6 +218,21 @@ def _module(model: str, config: dict, extra: dict) -> L.LightningModule:
     return HFCausalLMModule(config=config, learning_rate=LR, **extra)
 
 
+class _HeadOutputs(L.Callback):
+    """What the LM head returned on this rank: ``"plain"`` or the DTensor's placements (vocab-sharded logits under
+    loss parallel)."""
+
+    def __init__(self) -> None:
+        self.kinds: set[str] = set()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        model = pl_module.causal_lm if isinstance(pl_module, HFCausalLMModule) else pl_module.model
+        model.get_output_embeddings().register_forward_hook(self._record)
+
+    def _record(self, module, args, output) -> None:
+        self.kinds.add(str(output.placements) if isinstance(output, DTensor) else "plain")
+
+
 def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
     config, batches, extra = MODELS[model]
     L.seed_everything(SEED, verbose=False)
@@ -212,11 +241,18 @@ def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
     # a block that dynamo gives up on (too many recompilations) would run eagerly and pass unnoticed
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     fit = trainer(world, strategy, precision)
+    head = _HeadOutputs()
+    fit.callbacks.append(head)
     dp_rank, dp = strategy_dp(rank, world, mesh)
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(dp_rank, dp), batch_size=None))
     # (nn.Module.compile keeps the compiled forward here; the unit tests show it goes through dynamo)
     compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
-    return {"losses": fit.callbacks[0].losses, "params": _params(module), "compiled_modules": compiled}
+    return {
+        "losses": fit.callbacks[0].losses,
+        "params": _params(module),
+        "compiled_modules": compiled,
+        "head_outputs": sorted(head.kinds),
+    }
 
 
 def strategy_dp(rank: int, world: int, mesh: str) -> tuple[int, int]:
@@ -263,9 +299,8 @@ def _losses(run: dict) -> torch.Tensor:
     + [("user_llama", mesh) for mesh in ("tp2", "pp2")]
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]
-    + [
-        (model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")
-    ],
+    + [(model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")]
+    + [(model, "pp2_tp2_sp") for model in ("qwen2_tied", "llava")],  # (Llama's decoder: Qwen2's, without biases)
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are
@@ -278,6 +313,11 @@ def test_hf_model_matches_one_process(model, mesh):
         assert all(len(r["params"]) < len(exact["params"]) for r in results)
     # compile=True: every rank's decoder layers (under pp: those of its stage) are compiled, nothing else
     assert all((r["compiled_modules"] > 0) == mesh.endswith("_compiled") for r in results)
+    # Loss parallel wherever our module runs tensor parallel, pipelined or not: the ranks computing logits (under pp
+    # the last stage's) keep them vocab-sharded; a user's own module computes its loss from whole logits.
+    sharded = "tp" in mesh and not model.startswith("user_")
+    heads = [r["head_outputs"] for r in results if r["head_outputs"]]
+    assert heads and all(h == (["(Shard(dim=2),)"] if sharded else ["plain"]) for h in heads), heads
     ratios = {}
     for rank, result in enumerate(results):
         ratios[f"losses (rank {rank})"] = assert_float32_noise(

@@ -252,8 +252,12 @@ def test_sequence_parallel_plan_shards_the_residual_stream_between_the_tp_region
     head = styles["model.lm_head"]
     assert head.input_layouts == (Shard(1),) and head.output_layouts == (Shard(-1),) and not head.use_local_output
 
-    pipelined = llama.parallel_plan()
-    pipelined.check_degrees({**DEGREES, "tp": 2, "pp": 2})  # under pp the last stage's logits are gathered
-    assert resolve_plan(llama, pipelined.tp_plan)["model.lm_head"].use_local_output
+    # under pp too: the last stage's logits stay vocab-sharded (its objective computes the loss under
+    # loss_parallel), and the stages exchange sequence shards
+    pipelined = llama.parallel_plan(sequence_parallel=True, microbatches=2)
+    pipelined.check_degrees({**DEGREES, "tp": 2, "pp": 2})
+    head = resolve_plan(llama, pipelined.tp_plan)["model.lm_head"]
+    assert head.output_layouts == (Shard(-1),) and not head.use_local_output
+    assert pipelined.pipeline.sequence_shards and not llama.parallel_plan().pipeline.sequence_shards
     with pytest.raises(ValueError, match=r"sequence-parallel plan is verified for the decoders .*'gemma'"):
         dict(module("gemma").parallel_plan(sequence_parallel=True).tp_plan)

@@ -56,6 +56,44 @@ def test_explicit_split_errors_name_the_argument():
         explicit_split(units + ["fusion_layers.1"], ["fusion_layers.1", "fusion_layers.0"], 3)
 
 
+def test_sequence_parallel_is_refused_for_a_pipeline_without_sequence_shards():
+    # The reference VLM's stages exchange whole sequences: sequence_parallel under pp is refused, naming the model,
+    # before anything is cut or sharded (the HF adapter's stages carry shards: test_hf_causal_lm, pp2_tp2_sp).
+    from lightning_mm.models import VLMModule
+    from lightning_mm.parallel.dims import ParallelDims
+    from lightning_mm.strategies.pipeline_setup import build_pipeline
+
+    module = VLMModule(preset="tiny")
+    module.configure_model()
+    plan = module.parallel_plan(sequence_parallel=True, microbatches=2)
+    assert not plan.pipeline.sequence_shards
+    units = [name for name, _ in module.named_modules()]
+
+    def unreachable():
+        raise AssertionError("asked for a mesh or a plan before refusing")
+
+    with pytest.raises(ValueError, match="sequence_parallel=True: VLMModule's pipeline does not carry sequence shards"):
+        build_pipeline(
+            module,
+            plan,
+            None,
+            dims=ParallelDims(pp=2, tp=2, dp_shard=1, world_size=4),
+            device=torch.device("cpu"),
+            global_rank=0,
+            split="auto",
+            virtual_stages=1,
+            schedule="1F1B",
+            microbatches=2,
+            sequence_parallel=True,
+            activation_checkpointing=None,
+            compile_options=None,
+            cpu_offload=False,
+            fsdp_mesh=unreachable,
+            tp_plan=unreachable,
+        )
+    assert [name for name, _ in module.named_modules()] == units  # nothing was cut
+
+
 def test_zero_bubble_schedules_are_refused_with_the_reason():
     for name in ("ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"):
         with pytest.raises(ValueError, match=f"pipeline_schedule='{name}' is not supported"):

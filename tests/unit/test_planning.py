@@ -186,6 +186,18 @@ def test_expert_parallel_only_for_the_reference_experts(llama, vlm_tiny):
     assert any("not supported" in r for r in reasons)
 
 
+def test_sequence_parallel_under_pipeline_parallel_where_the_strategy_has_it(llama, vlm_tiny):
+    # the HF adapter's stages carry sequence shards (a tp mesh under pp is planned with sequence parallel); the
+    # reference VLM's do not (the strategy refuses it, and so does the planner)
+    accepted, _ = candidate_meshes(llama, fp32(global_batch=4), Hardware(devices=4))
+    assert Mesh(pp=2, tp=2, sp=True) in accepted
+    assert not llama.refusals(Mesh(pp=2, tp=2, sp=True))
+    assert any("sequence_parallel" in r for r in vlm_tiny.refusals(Mesh(pp=2, tp=2, sp=True)))
+    assert all(
+        not (m.sp and m.pp > 1) for m in candidate_meshes(vlm_tiny, fp32(global_batch=4), Hardware(devices=4))[0]
+    )
+
+
 def test_bytes_per_axis_match_hand_computed_ring_formulas(llama):
     # FSDP over 2 ranks, fp32, one micro-step: every layer all-gathered twice (forward, backward after resharding)
     # and reduce-scattered once; the root unit (embedding, norm, head) all-gathered once: (n - 1) / n = 1 / 2.
@@ -206,10 +218,13 @@ def test_bytes_per_axis_match_hand_computed_ring_formulas(llama):
     # input), the first layer's gradient all-gathered, the head's input gathered and its gradient reduce-scattered
     sp = evaluate(llama, Mesh(tp=2, sp=True), fp32(global_batch=1), Hardware(devices=2)).comm_bytes
     assert sp["tp"] == 2 * 8 * 64 + 128 + 64 + 3 * 16 + 2 * 64  # = 1392
-    # pp 2, 2 microbatches: stage 0 sends hidden states (128 bytes) + the int64 attention mask (32), stage 1 sends
-    # their gradient (128); averaged over the two ranks
+    # pp 2, 2 microbatches: stage 0 sends hidden states (128 bytes) + the int64 attention mask and position ids
+    # (32 each), stage 1 sends their gradient (128); averaged over the two ranks
     pp = evaluate(llama, Mesh(pp=2), fp32(global_batch=2), Hardware(devices=2)).comm_bytes
-    assert pp["pp"] == 0.5 * 2 * (128 + 32 + 128)
+    assert pp["pp"] == 0.5 * 2 * (128 + 2 * 32 + 128)
+    # under sequence parallel each tp rank sends its half of the hidden states and receives its half of their gradient
+    pp_sp = evaluate(llama, Mesh(pp=2, tp=2, sp=True), fp32(global_batch=2), Hardware(devices=4)).comm_bytes
+    assert pp_sp["pp"] == 0.5 * 2 * (64 + 2 * 32 + 64)
     # gradient accumulation repeats every micro-step's traffic
     accumulated = evaluate(llama, Mesh(dp_shard=2), fp32(global_batch=6), Hardware(devices=2))
     assert accumulated.accumulation == 3 and accumulated.comm_bytes["dp_shard"] == 3 * fsdp["dp_shard"]

@@ -4,8 +4,6 @@ parallelized, so ``HybridParallelStrategy`` gives it FSDP2 / HSDP, tensor and pi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_mm.batch import MultimodalBatch
@@ -25,6 +22,7 @@ from lightning_mm.models.hf.parallelize import (
     causal_lm_loss_sum,
     causal_lm_parallel_plan,
     layout_kwargs,
+    sharded_loss,
     token_normalizer,
 )
 from lightning_mm.models.hf.pretrained import (
@@ -271,7 +269,7 @@ class HFCausalLMModule(L.LightningModule):
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         """:meth:`forward`'s logits as the LM head leaves them: a vocab-sharded ``Shard(-1)`` DTensor under tensor
-        parallel without pipeline parallel (loss parallel)."""
+        parallel (loss parallel; under pipeline parallel the schedule, not this method, computes the training loss)."""
         lm = self.causal_lm
         images = pixel_values is not None and pixel_values.shape[0] > 0
         extra = {"pixel_values": pixel_values} if images else {}
@@ -295,7 +293,7 @@ class HFCausalLMModule(L.LightningModule):
         return causal_lm_loss_sum(logits, data["targets"]) / normalizer, data
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        with _sharded_loss():  # (vocab-sharded logits under tensor parallel: each rank's slice; else no effect)
+        with sharded_loss():  # (vocab-sharded logits under tensor parallel: each rank's slice; else no effect)
             loss, data = self._loss(batch)
         # This rank's share of the global mean (token_normalizer): the rank mean, which sync_dist takes, is the loss
         # of the global batch.
@@ -303,7 +301,7 @@ class HFCausalLMModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        with _sharded_loss():
+        with sharded_loss():
             loss, data = self._loss(batch)
         # Weighted by rows, as the strategy logs the pipelined val/loss, so the figure does not depend on the mesh.
         self.log("val/loss", loss, sync_dist=True, batch_size=data["input_ids"].shape[0])
@@ -312,7 +310,7 @@ class HFCausalLMModule(L.LightningModule):
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         # The backward of a loss over vocab-sharded logits runs under the same context as its forward (torch's rule
         # for loss_parallel); Lightning calls this hook for the module's backward.
-        with _sharded_loss():
+        with sharded_loss():
             super().backward(loss, *args, **kwargs)
 
     def configure_optimizers(self):
@@ -335,15 +333,3 @@ class HFCausalLMModule(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-@contextmanager
-def _sharded_loss() -> Iterator[None]:
-    """torch's ``loss_parallel()``, switched off again when the block raises too (torch's context manager has no
-    ``finally``: an exception caught around a step, an out-of-memory retry, would leave its loss ops on for good)."""
-    context = loss_parallel()
-    context.__enter__()
-    try:
-        yield
-    finally:
-        context.__exit__(None, None, None)

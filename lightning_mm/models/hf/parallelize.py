@@ -10,10 +10,11 @@ embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
   grouped KV heads are split whole (``tensor_parallel`` must divide ``num_key_value_heads``). Two choices of ours,
   since HF's own plan leaves them out or to its own loader: the **embedding is vocab-sharded**
   (``RowwiseParallel`` over the table's rows, output all-reduced, as torchtitan does) and the **LM head is
-  vocab-sharded with gathered logits** (``ColwiseParallel(output_layouts=Replicate())``, HF's
-  ``colwise_gather_output``): the two largest matrices are split over tp, and the loss sees whole logits (a
-  vocab-parallel loss would save the gather; not done yet). A tied embedding and LM head (``tie_word_embeddings``)
-  stay one weight: both styles shard the one ``(V, H)`` table by rows (``Shard(0)``), and
+  vocab-sharded**: its logits stay sharded for a vocab-parallel loss (``loss_parallel``, ``HFCausalLMModule``'s
+  choice, pipelined or not) or are gathered (``ColwiseParallel(output_layouts=Replicate())``, HF's
+  ``colwise_gather_output``) for a loss that expects whole logits (a user's module holding an HF model). A tied
+  embedding and LM head (``tie_word_embeddings``) stay one weight: both styles shard the one ``(V, H)`` table by rows
+  (``Shard(0)``), and
   :func:`~lightning_mm.parallel.plans.apply_tensor_parallel` registers the sharded table in both places.
 * **Pipeline parallel**: units ``embed_tokens, layers.0, ..., layers.{L-1}, norm, lm_head`` (FQNs relative to the
   LightningModule; the decoder's three modules named as its ``config.base_model_pp_plan`` declares them). A stage
@@ -26,7 +27,9 @@ embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
   against the whole model (:data:`PIPELINE_FAMILIES`, ``tests/unit/test_hf_models.py``); for others use
   ``pipeline_split`` on your own LightningModule (:func:`~lightning_mm.parallel.pipeline.sequential_pipeline_spec`).
   A tied embedding and LM head live on the first and the last stage: the copies start equal and their gradients
-  are summed before each step (:mod:`lightning_mm.parallel.tied`, Megatron's scheme).
+  are summed before each step (:mod:`lightning_mm.parallel.tied`, Megatron's scheme). Under sequence parallel the
+  stages exchange each tp rank's sequence shard of the hidden states (:class:`CausalLMStage`; the decoder of every
+  stage but the first takes it back as a ``Shard(1)`` DTensor).
 
 The loss is the causal-LM cross entropy summed over the rank's tokens and divided by the *global* token count over
 the data-parallel ranks (times their number), so data-parallel and pipelined runs equal one process on the global
@@ -37,7 +40,8 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +56,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
 )
 
 from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
@@ -511,6 +516,19 @@ def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+@contextmanager
+def sharded_loss() -> Iterator[None]:
+    """torch's ``loss_parallel()``, switched off again when the block raises too (torch's context manager has no
+    ``finally``: an exception caught around a step, an out-of-memory retry, would leave its loss ops on for good).
+    Without vocab-sharded logits it changes nothing."""
+    context = loss_parallel()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
+
+
 def token_normalizer(targets: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Global count of target tokens over ``group`` divided by the group size: a rank's loss is its summed cross
     entropy over this, so the data-parallel mean of the gradients is the gradient of the global token mean."""
@@ -519,10 +537,13 @@ def token_normalizer(targets: torch.Tensor, group: dist.ProcessGroup | None) -> 
 
 
 class CausalLMObjective(PipelineObjective):
-    """The pipelined loss: each microbatch's summed cross entropy over the global normaliser (no statistics pass)."""
+    """The pipelined loss: each microbatch's summed cross entropy over the global normaliser (no statistics pass).
+    ``sharded_logits()``: whether the last stage's logits are vocab-sharded (loss parallel; the passes then run under
+    :func:`sharded_loss`)."""
 
-    def __init__(self, microbatches: int) -> None:
+    def __init__(self, microbatches: int, sharded_logits: Callable[[], bool] = lambda: False) -> None:
         self.microbatches = microbatches
+        self._sharded_logits = sharded_logits
         self._normalizer = torch.ones(())
         self._parts: list[torch.Tensor] = []
 
@@ -532,6 +553,11 @@ class CausalLMObjective(PipelineObjective):
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss_sum(logits, targets) / self._normalizer.to(logits.device)
+
+    def pass_context(self) -> AbstractContextManager:
+        # The backward of a loss over vocab-sharded logits runs under the same context as its forward (torch's rule
+        # for loss_parallel), and the schedule runs both inside its step.
+        return sharded_loss() if self._sharded_logits() else nullcontext()
 
     def microbatch_loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = self._loss(output, target)
@@ -554,8 +580,9 @@ class CausalLMStage(nn.Module):
     """One pipeline stage of a pruned causal LM: the decoder's own forward over the units this rank holds.
 
     ``forward(x (R, T), attention_mask (R, T), position_ids (R, T))``: ``x`` is ``input_ids`` on stage 0, the previous
-    stage's hidden states ``(R, T, H)`` after; returns ``(hidden (R, T, H), attention_mask, position_ids)``, or the
-    logits ``(R, T, V)`` on the last stage. Every stage's decoder rebuilds its rotary embeddings and causal mask from
+    stage's hidden states ``(R, T, H)`` after (under sequence parallel this tp rank's ``(R, T / tp, H)``); returns
+    ``(hidden, attention_mask, position_ids)``, or the logits ``(R, T, V)`` on the last stage (under loss parallel a
+    ``Shard(-1)`` DTensor). Every stage's decoder rebuilds its rotary embeddings and causal mask from
     the layout (:func:`layout_kwargs`: the mask for rows of one sample, the positions of a packed microbatch).
     """
 
@@ -598,6 +625,10 @@ class CausalLMStage(nn.Module):
             hidden = self.lm.get_decoder()(inputs_embeds=x, **kwargs).last_hidden_state
         if self.last:
             return self.lm.get_output_embeddings()(hidden)
+        if isinstance(hidden, DTensor):
+            # Sequence parallel: the last layer's output is a Shard(1) DTensor. Send this tp rank's shard
+            # (R, T / tp, H), 1 / tp of the bytes; the next stage's decoder takes it back as one (tp plan).
+            hidden = hidden.to_local()
         return hidden, attention_mask, position_ids
 
 
@@ -669,9 +700,10 @@ def causal_lm_parallel_plan(
     """The :class:`~lightning_mm.parallel.protocol.ParallelPlan` of the causal LM ``lm`` inside ``root`` (the
     LightningModule; FQNs relative to it). ``max_length``: the fixed sequence length of pipelined batches (default:
     the first batch's). ``sequence_parallel``: Megatron-style sequence parallelism between the layers' TP regions;
-    ``loss_parallel``: under tensor parallel without pipeline parallel, the logits stay vocab-sharded for a loss
-    computed, with its backward, under ``torch.distributed.tensor.parallel.loss_parallel()`` (the module's steps and
-    ``backward`` enter it; :func:`causal_lm_loss_sum` takes the DTensor). ``pipeline_shape`` is the reference VLM's
+    ``loss_parallel``: under tensor parallel, the logits stay vocab-sharded for a loss computed, with its backward,
+    under ``torch.distributed.tensor.parallel.loss_parallel()`` (the module's steps and ``backward`` enter it, and
+    under pipeline parallel the runner around each pass, :meth:`CausalLMObjective.pass_context`;
+    :func:`causal_lm_loss_sum` takes the DTensor). ``pipeline_shape`` is the reference VLM's
     and not used here."""
     layout = decoder_layout(root, lm)
     blocks = _stem_blocks(root, layout) + [root.get_submodule(name) for name in layout.layers]
@@ -679,9 +711,9 @@ def causal_lm_parallel_plan(
     sharded_logits = [False]
 
     def check_degrees(degrees: Mapping[str, int]) -> None:
-        # (called by the strategy before the TP plan is asked for) The pipeline's stages exchange and reduce plain
-        # tensors: the last stage's logits are gathered there.
-        sharded_logits[0] = loss_parallel and degrees["tp"] > 1 and degrees["pp"] == 1
+        # (called by the strategy before the TP plan is asked for) Under pipeline parallel too: the logits never
+        # leave the last stage, whose objective computes the loss under loss_parallel (CausalLMObjective).
+        sharded_logits[0] = loss_parallel and degrees["tp"] > 1
         known = layout.text_model_type in PIPELINE_FAMILIES and (
             not layout.stem or layout.model_type in PIPELINE_VISION_LANGUAGE
         )
@@ -695,15 +727,30 @@ def causal_lm_parallel_plan(
         if degrees["ep"] > 1:
             raise ValueError(f"expert_parallel={degrees['ep']}: {type(lm).__name__} declares no experts")
 
+    first_stage_held = [True]
+
     def build_stages(split: PipelineSplit, stage_ids: list[int]) -> list[nn.Module]:
         (stage,) = stage_ids
+        first_stage_held[0] = stage == 0
         keep = set(split.stage_units(stage)) | (set(layout.stem) if stage == 0 else set())
         prune_units(root, layout.stem + layout.units, keep)
         entry = root.get_submodule(layout.entry)
         return [CausalLMStage(lm, entry, first=stage == 0, last=stage == split.num_stages - 1)]
 
     def tp_plan() -> dict[str, str | ParallelStyle]:
-        return hf_tp_plan(layout, lm, root, sequence_parallel=sequence_parallel, loss_parallel=sharded_logits[0])
+        plan = hf_tp_plan(layout, lm, root, sequence_parallel=sequence_parallel, loss_parallel=sharded_logits[0])
+        if sequence_parallel and not first_stage_held[0]:
+            # A later pipeline stage receives this tp rank's sequence shard of the hidden states (what the previous
+            # stage's CausalLMStage sent): the decoder takes it as the Shard(1) DTensor it was there, so it builds
+            # its masks and rotary tables for the whole sequence and its first layer continues the residual
+            # stream as the previous stage left it. (Stage 0's decoder gets input_ids, or a LLaVA's whole
+            # embeddings: no entry there.)
+            plan[layout.decoder] = PrepareModuleInput(
+                input_kwarg_layouts={"inputs_embeds": Shard(1)},
+                desired_input_kwarg_layouts={"inputs_embeds": Shard(1)},
+                use_local_output=False,
+            )
+        return plan
 
     pipeline = PipelineSpec(
         units=layout.units,
@@ -713,10 +760,11 @@ def causal_lm_parallel_plan(
             + ((batch["pixel_values"],) if "pixel_values" in batch else ())
         ),
         target=lambda batch: batch["targets"],
-        objective=CausalLMObjective(microbatches),
+        objective=CausalLMObjective(microbatches, sharded_logits=lambda: sharded_logits[0]),
         unit_costs=lambda: _unit_costs(root, layout),
         prepare_batch=_fixed_length_padder(max_length, lm),
         max_stages_per_rank=1,
+        sequence_shards=sequence_parallel,
     )
     return ParallelPlan(tp_plan=_LazyPlan(tp_plan), blocks=blocks, pipeline=pipeline, check_degrees=check_degrees)
 
