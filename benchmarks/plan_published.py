@@ -97,7 +97,7 @@ def estimate(run: dict[str, Any], configs: dict[str, Any]) -> dict[str, Any]:
     cp = m.get("cp", 1)
     # Context parallel is not modelled: its ranks are counted as data parallel (each holds 1 / cp of the sequence:
     # the tokens per rank stay those of the run), so the estimate is for information only.
-    # torchtitan runs TP with sequence parallel (and loss parallel without pp), as lightning-mm's HF adapter does
+    # torchtitan runs TP with sequence and loss parallel, pipelined or not, as lightning-mm's HF adapter does
     sp = m["tp"] > 1
     mesh = Mesh(pp=m["pp"], dp_replicate=m["dp_replicate"], dp_shard=m["dp_shard"] * cp, tp=m["tp"], sp=sp)
     # local batch = rows per data-parallel rank per step; under pp torchtitan splits it into as many microbatches as

@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_mm.parallel.dims import check_divisible
 from lightning_mm.parallel.materialize import shared_parameters
+from lightning_mm.parallel.pipeline import PassThrough
 
 __all__ = [
     "STYLES",
@@ -231,7 +232,8 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> d
     matched by two patterns with different styles, and a linear / sequence style applied to a module type it
     cannot shard.
     """
-    modules = {fqn: module for fqn, module in model.named_modules() if fqn}
+    # A unit another pipeline stage holds is a PassThrough under its own FQN: no style applies to it.
+    modules = {fqn: module for fqn, module in model.named_modules() if fqn and not isinstance(module, PassThrough)}
     resolved: dict[str, str | ParallelStyle] = {}
     origin: dict[str, str] = {}
     for pattern, style in plan.items():
@@ -255,6 +257,16 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> d
             resolved[fqn] = style
             origin[fqn] = pattern
     return {fqn: _style(style) if isinstance(style, str) else style for fqn, style in resolved.items()}
+
+
+def stage_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> dict[str, str | ParallelStyle]:
+    """``plan`` restricted to the patterns that match a module ``model`` still holds: a pipeline stage, whose units
+    held by other stages are :class:`~lightning_mm.parallel.pipeline.PassThrough` modules (their patterns would
+    otherwise "match nothing" in :func:`resolve_plan`)."""
+    held = [name for name, module in model.named_modules() if name and not isinstance(module, PassThrough)]
+    return {
+        pattern: style for pattern, style in plan.items() if any(fnmatch.fnmatchcase(name, pattern) for name in held)
+    }
 
 
 def _check_divisibility(model: nn.Module, styles: dict[str, ParallelStyle], tp: int) -> None:

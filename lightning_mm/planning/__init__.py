@@ -63,14 +63,17 @@ payload for a pipeline send), split intra-node / inter-node by whether the axis'
 * ``dp_replicate``: HSDP's all-reduce of the reduce-scattered gradients;
 * ``tp``: forward all-reduce after every row-parallel projection (attention output, MLP down), backward all-reduce of
   the input gradient of every column-parallel projection (q, k, v, MLP up / gate; the reference model's media keys
-  and values too); the HF model's vocab-sharded embedding (forward all-reduce) and LM head (logits all-gather,
-  backward all-reduce);
-* ``pp``: the stage boundary tensors (forward) and their gradients (backward) per microbatch, plus the reference
-  VLM's forward-only statistics pass;
+  and values too); the HF model's vocab-sharded embedding (forward all-reduce) and LM head (under loss parallel,
+  which ``HFCausalLMModule`` runs pipelined or not: three fp32 all-reduces per token; else the logits all-gather;
+  the input gradient's all-reduce); under sequence parallel (HF decoders) all-gathers and reduce-scatters instead
+  of the all-reduces;
+* ``pp``: the stage boundary tensors (forward) and their gradients (backward) per microbatch (under sequence
+  parallel each tp rank's sequence shard), plus the reference VLM's forward-only statistics pass;
 * ``ep``: dispatch and combine of every routed token in forward and backward (the last fusion layer's media output
   is unused, so its backward exchange never runs), ``1 - 1/ep`` of the tokens leave the rank on average.
 
-Not modelled: the losses' bookkeeping collectives (under 1 KB per step), sequence parallelism, CPU offload, LoRA,
+Not modelled: the losses' bookkeeping collectives (under 1 KB per step), the reference VLM's sequence parallelism,
+a first pipeline stage that holds no decoder layer (its boundary carries the whole sequence), CPU offload, LoRA,
 padding inside batches, the allocator's caching and fragmentation (leave headroom: ``usable_memory_fraction``).
 
 **Step time** = compute + exposed communication + pipeline bubble:

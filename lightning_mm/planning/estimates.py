@@ -65,7 +65,7 @@ def candidate_meshes(
                 dp_shard = n // (pp * tp * dp_replicate)
                 for ep in _divisors(dp_shard) if model.num_experts else [1]:
                     # sequence parallel wherever the strategy has it: the memory of TP, the same bytes on the wire
-                    sp = tp > 1 and model.supports_sequence_parallel and (pp == 1 or model.sequence_parallel_stages)
+                    sp = tp > 1 and model.supports_sequence_parallel
                     mesh = Mesh(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, sp=sp)
                     reasons = model.refusals(mesh) + _mesh_refusals(mesh, workload, hardware)
                     (refused.append((mesh, reasons)) if reasons else accepted.append(mesh))

@@ -47,7 +47,6 @@ class CausalLMShape(ModelShape):
         self.model_type = str(cfg.get("model_type", "llama"))
         self.name = f"hf:{self.model_type}"
         self.supports_sequence_parallel = self.model_type in ("llama", "mistral", "qwen2")
-        self.sequence_parallel_stages = self.supports_sequence_parallel
         self.tp_degree = 1
         h, i, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
         heads = int(cfg["num_attention_heads"])

@@ -52,9 +52,7 @@ class ModelShape:
     counted on a pipeline stage that holds the copy's unit and not the weight's own (the strategy keeps a copy on
     each end stage, gradients summed)."""
     supports_sequence_parallel: bool = False
-    """The strategy has a sequence-parallel plan for the model that the estimates below model."""
-    sequence_parallel_stages: bool = False
-    """Its pipeline stages run under sequence parallel too (each tp rank sends its sequence shard)."""
+    """The strategy has a sequence-parallel plan for the model, pipelined or not, that the estimates below model."""
     sequence_parallel: bool = False
     """(set by :meth:`on`) The residual stream, norms and block inputs hold ``1 / tp`` of the sequence."""
     loss_parallel: bool = False
@@ -167,9 +165,7 @@ class ModelShape:
             )
             if unsupported:
                 reasons.append(f"expert_parallel with {', '.join(unsupported)} is not supported by the strategy yet")
-        if mesh.sp and (
-            mesh.tp == 1 or not self.supports_sequence_parallel or (mesh.pp > 1 and not self.sequence_parallel_stages)
-        ):
+        if mesh.sp and (mesh.tp == 1 or not self.supports_sequence_parallel):
             reasons.append(
                 "sequence_parallel needs tensor_parallel > 1 and a model whose sequence-parallel plan the planner "
                 "models (HF llama / mistral / qwen2, with or without pipeline parallel)"

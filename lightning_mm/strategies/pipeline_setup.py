@@ -13,7 +13,6 @@ Plain functions over what the strategy passes them; the strategy keeps the argum
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -27,14 +26,13 @@ from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.parallel.fsdp import apply_fsdp, checkpoint_and_compile, transformer_blocks
 from lightning_mm.parallel.materialize import shared_parameters
 from lightning_mm.parallel.pipeline import (
-    PassThrough,
     PipelineSplit,
     auto_split,
     explicit_split,
     sequential_pipeline_spec,
     stage_ids_for_rank,
 )
-from lightning_mm.parallel.plans import apply_tensor_parallel
+from lightning_mm.parallel.plans import apply_tensor_parallel, stage_plan
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
 from lightning_mm.parallel.tied import tied_across_stages
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
@@ -173,17 +171,9 @@ def build_pipeline(
     tied = [[fqn for fqn, _, _ in places] for places in shared_parameters(module)]  # (before the split prunes them)
     stage_modules = spec.build_stages(stages, stage_ids)
     if dims.tp_enabled:
-        # The plan, restricted to the modules this rank's stages still hold (patterns of pruned layers would
-        # otherwise "match nothing"). Stage boundaries carry plain tensors: replicated over tp, or under sequence
-        # parallel each tp rank's sequence shard (PipelineSpec.sequence_shards).
-        # (a unit another stage holds is a PassThrough under its own FQN: no style applies to it)
-        present = [name for name, sub in module.named_modules() if not isinstance(sub, PassThrough)]
-        kept = {
-            pattern: style
-            for pattern, style in tp_plan().items()
-            if any(fnmatch.fnmatchcase(name, pattern) for name in present)
-        }
-        apply_tensor_parallel(module, dims.get_mesh("tp"), kept)
+        # Stage boundaries carry plain tensors: replicated over tp, or under sequence parallel each tp rank's
+        # sequence shard (PipelineSpec.sequence_shards).
+        apply_tensor_parallel(module, dims.get_mesh("tp"), stage_plan(module, tp_plan()))
     blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
     shard_mesh = fsdp_mesh()
     for stage_module in stage_modules:

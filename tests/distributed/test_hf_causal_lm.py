@@ -7,7 +7,8 @@ Llama with LoRA adapters: pp2 (the adapters travel with their layers), tp2 and t
 its base layer). Qwen2 with a tied embedding and LM head: tp2, tp2 x fsdp2, pp2. A user's own LightningModule
 holding an LlamaForCausalLM, with no plan and no split: tp2, pp2. fsdp2 with activation checkpointing too, and
 selective activation checkpointing on fsdp2 and tp2 + sequence parallel. pp2 x tp2 + sequence parallel (4 ranks:
-the stages exchange sequence shards, the last stage's loss is vocab-parallel) for tied Qwen2 and LLaVA.
+the stages exchange sequence shards, the last stage's loss is vocab-parallel) for tied Qwen2 and LLaVA, and for Llama
+with an odd fixed length, and with a first stage holding the embedding alone.
 Llama with every decoder layer through ``torch.compile`` (``compile=True``, inductor): fsdp2, tp2, fsdp2 + activation
 checkpointing, pp2.
 bf16-mixed under fsdp2 runs and stays within 2 % of the fp32 losses.
@@ -66,7 +67,7 @@ Unset threads (2026-12-03): qwen2_tied tp2 1.22, 1.56, 12.8; tp2_fsdp2 0.54, 1.3
 user_llama tp2 0.56, 0.56, 0.61; pp2 1.02, 1.06, 1.07; llama_lora (q, v, o) tp2 1.00, 0.84, 2.22; tp2_fsdp2 1.29,
 0.75, 1.86; pp2 1.50, 1.10, 1.18. compile=True (inductor, unset threads): llama fsdp2, fsdp2 + AC, pp2 1.25, 1.23,
 1.27; tp2 0.61, 0.57, 0.61. pp2 x tp2 + sp (unset threads, 2026-12-04): llama 0.72, 0.63, 0.66; qwen2_tied 0.36,
-1.74, 11.4; llava 1.22, 1.15, 2.77.
+1.74, 11.4; llava 1.22, 1.15, 2.77; llama_odd_length 0.63, 0.63, 0.66; llama, embedding stage 0.72, 0.63, 0.66.
 """
 
 MESHES = {
@@ -79,6 +80,18 @@ MESHES = {
     # sequence parallel between the layers' TP regions (and, as under every tp mesh, loss parallel)
     "tp2_sp": (2, {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}),
     "tp2_sp_fsdp2": (4, {"tensor_parallel": 2, "data_parallel_shard": 2, "sequence_parallel": True}),
+    # stage 0 holds the embedding alone: it sends whole embeddings, stage 1's first layer takes its shard of them
+    "pp2_tp2_sp_embedding_stage": (
+        4,
+        {
+            "pipeline_parallel": 2,
+            "tensor_parallel": 2,
+            "data_parallel_shard": 1,
+            "sequence_parallel": True,
+            "microbatches": 2,
+            "pipeline_split": ["model.model.layers.0"],
+        },
+    ),
     # pipeline stages exchanging each tp rank's sequence shard of the hidden states
     "pp2_tp2_sp": (
         4,
@@ -175,6 +188,8 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"
 MODELS = {
     "llama": (LLAMA, llama_batches, {}),
     "llama_lora": (LLAMA, llama_batches, {"lora": LORA}),  # the adapters follow their layers onto the stages
+    # an odd fixed length under pp x tp + sp: padded to a multiple of tp, so the stages' sequence shards are equal
+    "llama_odd_length": (LLAMA, llama_batches, {"max_length": 13}),
     "llava": (LLAVA, image_text_batches, {}),
     "llama_packed": (LLAMA, packed_batches, {}),  # several samples per row, attention kept inside each
     "llava_packed": (LLAVA, packed_image_batches, {}),  # the DataModule's batches: patches, packed rows
@@ -300,7 +315,8 @@ def _losses(run: dict) -> torch.Tensor:
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]
     + [(model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")]
-    + [(model, "pp2_tp2_sp") for model in ("qwen2_tied", "llava")],  # (Llama's decoder: Qwen2's, without biases)
+    + [(model, "pp2_tp2_sp") for model in ("qwen2_tied", "llava")]  # (Llama's decoder: Qwen2's, without biases)
+    + [("llama_odd_length", "pp2_tp2_sp"), ("llama", "pp2_tp2_sp_embedding_stage")],
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are

@@ -14,7 +14,7 @@ from lightning_mm.batch import IGNORE_INDEX
 from lightning_mm.models.hf import HFCausalLMModule, as_causal_lm_batch, decoder_layout
 from lightning_mm.models.hf.held import held_model_plan
 from lightning_mm.parallel.pipeline import explicit_split
-from lightning_mm.parallel.plans import resolve_plan
+from lightning_mm.parallel.plans import resolve_plan, stage_plan
 from tests.helpers import random_samples
 from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, hf_model
 
@@ -181,6 +181,38 @@ def test_pipelined_batches_need_one_length():
     assert padded["input_ids"].shape == first["input_ids"].shape and padded["attention_mask"][:, 4:].sum() == 0
     with pytest.raises(ValueError, match="max_length"):
         prepare({"input_ids": torch.ones(2, 8, dtype=torch.long)})
+
+
+def test_pipelined_sequence_shards_get_a_length_divisible_by_tp():
+    # the stages exchange equal sequence shards: the fixed length is rounded up to a multiple of tp (masked padding)
+    plan = module("llama").parallel_plan(sequence_parallel=True, microbatches=2)
+    plan.check_degrees({**DEGREES, "tp": 2, "pp": 2})
+    padded = plan.pipeline.prepare_batch({"input_ids": torch.ones(2, 7, dtype=torch.long)})
+    assert padded["input_ids"].shape == (2, 8) and padded["attention_mask"][:, 7:].sum() == 0
+    assert (padded["targets"][:, 7:] == IGNORE_INDEX).all()
+    # without sequence parallel (or without pp) the length stays the batch's
+    plain = module("llama").parallel_plan(microbatches=2)
+    plain.check_degrees({**DEGREES, "tp": 2, "pp": 2})
+    assert plain.pipeline.prepare_batch({"input_ids": torch.ones(2, 7, dtype=torch.long)})["input_ids"].shape == (2, 7)
+
+
+@pytest.mark.parametrize("first_layer_on_stage_1", [False, True])
+def test_a_stage_after_the_first_decoder_layer_takes_sequence_shards(first_layer_on_stage_1):
+    # Under sequence parallel the hidden states are sequence shards from the first decoder layer on: the decoder of
+    # a stage after the one holding it takes its input as a Shard(1) DTensor; a stage holding it gets whole
+    # embeddings (stage 0 may hold the embedding alone: pipeline_split=["model.model.layers.0"])
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    llama = module("llama")
+    plan = llama.parallel_plan(sequence_parallel=True, microbatches=2)
+    plan.check_degrees({**DEGREES, "tp": 2, "pp": 2})
+    before = dict(plan.tp_plan)  # built before the split: must not be kept
+    assert "model.model" not in before
+    start = "model.model.layers.0" if first_layer_on_stage_1 else "model.model.layers.1"
+    plan.pipeline.build_stages(explicit_split(plan.pipeline.units, [start], 2), [1])
+    styles = resolve_plan(llama, stage_plan(llama, plan.tp_plan))  # what the strategy applies on this stage
+    assert isinstance(styles.get("model.model"), PrepareModuleInput) != first_layer_on_stage_1
+    assert "model.model.embed_tokens" not in styles  # a PassThrough here: no style lands on it
 
 
 def test_construction_errors(tmp_path):

@@ -29,7 +29,8 @@ embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
   A tied embedding and LM head live on the first and the last stage: the copies start equal and their gradients
   are summed before each step (:mod:`lightning_mm.parallel.tied`, Megatron's scheme). Under sequence parallel the
   stages exchange each tp rank's sequence shard of the hidden states (:class:`CausalLMStage`; the decoder of every
-  stage but the first takes it back as a ``Shard(1)`` DTensor).
+  stage after the one holding the first decoder layer takes it back as a ``Shard(1)`` DTensor; pipelined batches are
+  padded to a multiple of tp).
 
 The loss is the causal-LM cross entropy summed over the rank's tokens and divided by the *global* token count over
 the data-parallel ranks (times their number), so data-parallel and pipelined runs equal one process on the global
@@ -576,6 +577,15 @@ class CausalLMObjective(PipelineObjective):
 # ------------------------------------------------------------------------------------------------------ pipeline
 
 
+def _pipelining_takes_dtensors() -> bool:
+    """Whether torch's pipelining carries DTensors through a stage (its metadata records placements: pytorch PRs
+    172422 / 177728, torch 2.13 here). Before that the last stage's vocab-sharded logits are untested: there they are
+    gathered and the loss sees whole logits."""
+    from torch.distributed.pipelining import _utils
+
+    return hasattr(_utils, "_DTensorMeta")
+
+
 class CausalLMStage(nn.Module):
     """One pipeline stage of a pruned causal LM: the decoder's own forward over the units this rank holds.
 
@@ -628,6 +638,11 @@ class CausalLMStage(nn.Module):
         if isinstance(hidden, DTensor):
             # Sequence parallel: the last layer's output is a Shard(1) DTensor. Send this tp rank's shard
             # (R, T / tp, H), 1 / tp of the bytes; the next stage's decoder takes it back as one (tp plan).
+            if tuple(hidden.placements) != (Shard(1),):
+                raise RuntimeError(
+                    f"a pipeline stage's hidden states are a DTensor placed {hidden.placements}; the next stage takes "
+                    "them back as sequence shards (Shard(1)) only"
+                )
             hidden = hidden.to_local()
         return hidden, attention_mask, position_ids
 
@@ -642,10 +657,12 @@ def _unit_costs(root: nn.Module, layout: DecoderLayout) -> dict[str, float]:
     return costs
 
 
-def _fixed_length_padder(max_length: int | None, lm: nn.Module):
+def _fixed_length_padder(max_length: int | None, lm: nn.Module, multiple: Callable[[], int] = lambda: 1):
     """Batch -> causal LM batch padded on the right to one sequence length (pipelining needs fixed shapes):
-    ``max_length``, or the first batch's length when None."""
-    length: list[int] = [max_length] if max_length else []
+    ``max_length``, or the first batch's length when None, rounded up to a multiple of ``multiple()`` (under sequence
+    parallel the tp degree: the stages exchange equal sequence shards, and a received shard's global length is
+    taken as ``tp`` times its own)."""
+    length: list[int] = []  # (fixed at the first batch: multiple() is known once the strategy checked the degrees)
     images = ImageTokens.of(lm) if getattr(lm.config, "vision_config", None) is not None else None
 
     def prepare(batch: Any) -> dict[str, torch.Tensor]:
@@ -655,7 +672,7 @@ def _fixed_length_padder(max_length: int | None, lm: nn.Module):
         if not length:
             # Image tokens make a DataModule batch's length vary: its bound, not the first batch's, for every step.
             bound = llava_length(batch, images) if images and isinstance(batch, MultimodalBatch) else current
-            length.append(bound)
+            length.append(-(-(max_length or bound) // multiple()) * multiple())
         if current > length[0]:
             raise ValueError(
                 f"a batch of sequence length {current} is longer than the pipeline's fixed length {length[0]} "
@@ -709,11 +726,14 @@ def causal_lm_parallel_plan(
     blocks = _stem_blocks(root, layout) + [root.get_submodule(name) for name in layout.layers]
 
     sharded_logits = [False]
+    shard_multiple = [1]  # sequence lengths under sequence parallel with pipeline parallel: a multiple of tp
 
     def check_degrees(degrees: Mapping[str, int]) -> None:
-        # (called by the strategy before the TP plan is asked for) Under pipeline parallel too: the logits never
-        # leave the last stage, whose objective computes the loss under loss_parallel (CausalLMObjective).
-        sharded_logits[0] = loss_parallel and degrees["tp"] > 1
+        # (called by the strategy before the TP plan is asked for) Under pipeline parallel too, where torch's
+        # pipelining takes DTensors: the logits never leave the last stage, whose objective computes the loss
+        # under loss_parallel (CausalLMObjective).
+        sharded_logits[0] = loss_parallel and degrees["tp"] > 1 and (degrees["pp"] == 1 or _pipelining_takes_dtensors())
+        shard_multiple[0] = degrees["tp"] if sequence_parallel and degrees["pp"] > 1 else 1
         known = layout.text_model_type in PIPELINE_FAMILIES and (
             not layout.stem or layout.model_type in PIPELINE_VISION_LANGUAGE
         )
@@ -727,11 +747,14 @@ def causal_lm_parallel_plan(
         if degrees["ep"] > 1:
             raise ValueError(f"expert_parallel={degrees['ep']}: {type(lm).__name__} declares no experts")
 
-    first_stage_held = [True]
+    receives_shards = [False]
 
     def build_stages(split: PipelineSplit, stage_ids: list[int]) -> list[nn.Module]:
         (stage,) = stage_ids
-        first_stage_held[0] = stage == 0
+        # Under sequence parallel the hidden states are sequence shards from the first decoder layer on: a stage
+        # after the one holding it receives them (the stage holding it receives whole embeddings, if any).
+        receives_shards[0] = sequence_parallel and stage > split.owner(layout.layers[0])
+        lazy_plan.reset()  # (a plan built before the split lacks this stage's entry)
         keep = set(split.stage_units(stage)) | (set(layout.stem) if stage == 0 else set())
         prune_units(root, layout.stem + layout.units, keep)
         entry = root.get_submodule(layout.entry)
@@ -739,12 +762,12 @@ def causal_lm_parallel_plan(
 
     def tp_plan() -> dict[str, str | ParallelStyle]:
         plan = hf_tp_plan(layout, lm, root, sequence_parallel=sequence_parallel, loss_parallel=sharded_logits[0])
-        if sequence_parallel and not first_stage_held[0]:
-            # A later pipeline stage receives this tp rank's sequence shard of the hidden states (what the previous
+        if receives_shards[0]:
+            # This pipeline stage receives this tp rank's sequence shard of the hidden states (what the previous
             # stage's CausalLMStage sent): the decoder takes it as the Shard(1) DTensor it was there, so it builds
             # its masks and rotary tables for the whole sequence and its first layer continues the residual
-            # stream as the previous stage left it. (Stage 0's decoder gets input_ids, or a LLaVA's whole
-            # embeddings: no entry there.)
+            # stream as the previous stage left it. (Stages up to the first decoder layer's get input_ids, a
+            # LLaVA's whole embeddings or the embedding's whole output: no entry there.)
             plan[layout.decoder] = PrepareModuleInput(
                 input_kwarg_layouts={"inputs_embeds": Shard(1)},
                 desired_input_kwarg_layouts={"inputs_embeds": Shard(1)},
@@ -762,11 +785,12 @@ def causal_lm_parallel_plan(
         target=lambda batch: batch["targets"],
         objective=CausalLMObjective(microbatches, sharded_logits=lambda: sharded_logits[0]),
         unit_costs=lambda: _unit_costs(root, layout),
-        prepare_batch=_fixed_length_padder(max_length, lm),
+        prepare_batch=_fixed_length_padder(max_length, lm, lambda: shard_multiple[0]),
         max_stages_per_rank=1,
         sequence_shards=sequence_parallel,
     )
-    return ParallelPlan(tp_plan=_LazyPlan(tp_plan), blocks=blocks, pipeline=pipeline, check_degrees=check_degrees)
+    lazy_plan = _LazyPlan(tp_plan)
+    return ParallelPlan(tp_plan=lazy_plan, blocks=blocks, pipeline=pipeline, check_degrees=check_degrees)
 
 
 class _LazyPlan(Mapping):
@@ -775,6 +799,10 @@ class _LazyPlan(Mapping):
     def __init__(self, build) -> None:
         self._build = build
         self._plan: dict | None = None
+
+    def reset(self) -> None:
+        """Build again on next use (what the plan depends on changed: the pipeline stage this rank holds)."""
+        self._plan = None
 
     def _get(self) -> dict:
         if self._plan is None:
