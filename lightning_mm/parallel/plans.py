@@ -321,6 +321,30 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[s
     return model
 
 
+def keep_gradients_sharded(model: nn.Module) -> None:
+    """Give every DTensor parameter of ``model`` a post-accumulate-grad hook (:func:`_shard_replicated_gradient`).
+    Call it once the parameters are final (after meta-device materialisation, which makes new ones)."""
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(_shard_replicated_gradient)
+
+
+def _shard_replicated_gradient(param: DTensor) -> None:
+    """A sharded parameter's gradient that DTensor returned replicated keeps this rank's shard only (a local slice,
+    no communication). DTensor's embedding backward does that for the vocab-sharded embedding: every tp rank would
+    otherwise hold the whole ``(V, H)`` gradient until the optimizer step (tensor parallel without FSDP2, which
+    reduce-scatters into the parameter's placement itself, so the hook finds nothing to do there). A partial gradient
+    (a sequence-parallel norm's) stays partial: making it whole or sharded costs a collective, which the optimizer
+    step runs once per step anyway."""
+    grad = param.grad
+    if (
+        isinstance(grad, DTensor)
+        and grad.placements != param.placements
+        and all(placement.is_replicate() for placement in grad.placements)
+    ):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def _tie_again(tied: list[list[tuple[str, nn.Module, str]]]) -> None:
     """A weight registered in several modules (tied input embedding and LM head) is one parameter again after
     ``parallelize_module``, which distributes it once per module that holds it: kept when every place sharded it

@@ -51,7 +51,7 @@ from lightning_mm.parallel.experts import expert_fsdp_units, expert_parameters
 from lightning_mm.parallel.fsdp import apply_fsdp, checkpoint_and_compile, mixed_precision_policy, transformer_blocks
 from lightning_mm.parallel.materialize import empty_where_meta, has_meta_tensors, holds_dtensors, ties_kept
 from lightning_mm.parallel.options import ExpertOptions, MeshOptions, PipelineOptions, activation_checkpointing_mode
-from lightning_mm.parallel.plans import apply_tensor_parallel
+from lightning_mm.parallel.plans import apply_tensor_parallel, keep_gradients_sharded
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
 from lightning_mm.strategies import checkpointing, pipeline_loop, pipeline_setup
 from lightning_mm.strategies._compat import (
@@ -296,6 +296,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._materialize(self.lightning_module, plan)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        keep_gradients_sharded(self.lightning_module)  # (on the final parameters: materialisation makes new ones)
         if self._pipeline is not None and self._pipeline.tied is not None:
             self._pipeline.tied.broadcast_()  # (on the device) a tied weight's copies on both end stages start equal
         self.barrier()

@@ -235,10 +235,18 @@ def _module(model: str, config: dict, extra: dict) -> L.LightningModule:
 
 class _HeadOutputs(L.Callback):
     """What the LM head returned on this rank: ``"plain"`` or the DTensor's placements (vocab-sharded logits under
-    loss parallel)."""
+    loss parallel); and the gradients placed unlike their parameter before an optimizer step (``{name: (param's,
+    grad's placements)}``)."""
 
     def __init__(self) -> None:
         self.kinds: set[str] = set()
+        self.misplaced: dict[str, tuple[str, str]] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        for name, param in pl_module.named_parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                self.misplaced[name] = (str(param.placements), str(grad.placements))
 
     def on_train_start(self, trainer, pl_module) -> None:
         model = pl_module.causal_lm if isinstance(pl_module, HFCausalLMModule) else pl_module.model
@@ -267,6 +275,7 @@ def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
         "params": _params(module),
         "compiled_modules": compiled,
         "head_outputs": sorted(head.kinds),
+        "misplaced_gradients": head.misplaced,
     }
 
 
@@ -334,6 +343,11 @@ def test_hf_model_matches_one_process(model, mesh):
     sharded = "tp" in mesh and not model.startswith("user_")
     heads = [r["head_outputs"] for r in results if r["head_outputs"]]
     assert heads and all(h == (["(Shard(dim=2),)"] if sharded else ["plain"]) for h in heads), heads
+    # A sharded parameter's gradient is sharded alike (the vocab-sharded embedding's came back whole from DTensor's
+    # embedding backward under tp without fsdp: every tp rank held the whole (V, H) gradient); only a sequence-
+    # parallel norm's stays partial until the optimizer step sums it.
+    for r in results:
+        assert all(grad == "(Partial(sum),)" for _, grad in r["misplaced_gradients"].values()), r["misplaced_gradients"]
     ratios = {}
     for rank, result in enumerate(results):
         ratios[f"losses (rank {rank})"] = assert_float32_noise(
