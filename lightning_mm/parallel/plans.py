@@ -322,20 +322,29 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[s
 
 
 def keep_gradients_sharded(model: nn.Module) -> None:
-    """Give every DTensor parameter of ``model`` a post-accumulate-grad hook (:func:`_shard_replicated_gradient`).
-    Call it once the parameters are final (after meta-device materialisation, which makes new ones)."""
+    """Give every DTensor parameter of ``model`` that FSDP2 does not manage a post-accumulate-grad hook
+    (:func:`_shard_replicated_gradient`). Call it once the parameters are final (after meta-device materialisation,
+    which makes new ones).
+
+    FSDP2 reduce-scatters into its parameters' placement itself, and a post-accumulate-grad hook on its parameters
+    would make its CPU-offload copy of the gradients blocking (torch 2.13 ``_fsdp_collectives``): they are left out.
+    Not kept across a later ``module.to()`` (``swap_tensors`` drops the installed hook while the parameter keeps its
+    Python-side record, so registering again does not reinstall it): a second ``setup`` of the same module in one
+    process runs without the hook, with replicated gradients as before it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    managed = {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
     for param in model.parameters():
-        if isinstance(param, DTensor) and param.requires_grad:
+        if isinstance(param, DTensor) and param.requires_grad and id(param) not in managed:
             param.register_post_accumulate_grad_hook(_shard_replicated_gradient)
 
 
 def _shard_replicated_gradient(param: DTensor) -> None:
     """A sharded parameter's gradient that DTensor returned replicated keeps this rank's shard only (a local slice,
     no communication). DTensor's embedding backward does that for the vocab-sharded embedding: every tp rank would
-    otherwise hold the whole ``(V, H)`` gradient until the optimizer step (tensor parallel without FSDP2, which
-    reduce-scatters into the parameter's placement itself, so the hook finds nothing to do there). A partial gradient
-    (a sequence-parallel norm's) stays partial: making it whole or sharded costs a collective, which the optimizer
-    step runs once per step anyway."""
+    otherwise hold the whole ``(V, H)`` gradient until the optimizer step (tensor parallel without FSDP2). A partial
+    gradient (a sequence-parallel norm's) stays partial: making it whole or sharded costs a collective, which the
+    optimizer step runs once per step anyway."""
     grad = param.grad
     if (
         isinstance(grad, DTensor)

@@ -296,7 +296,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._materialize(self.lightning_module, plan)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        keep_gradients_sharded(self.lightning_module)  # (on the final parameters: materialisation makes new ones)
+        # (on the final parameters: materialisation makes new ones; pipeline stages may be FSDP2 roots of their own)
+        stages = self._pipeline.stage_modules if self._pipeline is not None else []
+        keep_gradients_sharded(nn.ModuleList([self.lightning_module, *stages]))
         if self._pipeline is not None and self._pipeline.tied is not None:
             self._pipeline.tied.broadcast_()  # (on the device) a tied weight's copies on both end stages start equal
         self.barrier()

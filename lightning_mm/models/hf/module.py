@@ -121,7 +121,8 @@ class HFCausalLMModule(L.LightningModule):
         lora: ``peft.LoraConfig`` arguments (e.g. ``{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj",
             "v_proj"]}``): wraps the model with LoRA adapters; only they train and are in the optimizer.
         learning_rate, weight_decay, warmup_steps: AdamW with linear warm-up then cosine decay to 10 %.
-        max_length: fixed sequence length of pipelined batches (right padding; default: the first batch's).
+        max_length: fixed sequence length of pipelined batches (right padding; default: the first batch's; with
+            sequence parallel rounded up to a multiple of tensor_parallel).
         attn_implementation: ``"sdpa"`` or ``"eager"``.
 
     Pretrained weights are read in ``configure_model``: under a strategy that

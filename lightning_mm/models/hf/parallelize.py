@@ -716,7 +716,8 @@ def causal_lm_parallel_plan(
 ) -> ParallelPlan:
     """The :class:`~lightning_mm.parallel.protocol.ParallelPlan` of the causal LM ``lm`` inside ``root`` (the
     LightningModule; FQNs relative to it). ``max_length``: the fixed sequence length of pipelined batches (default:
-    the first batch's). ``sequence_parallel``: Megatron-style sequence parallelism between the layers' TP regions;
+    the first batch's; under sequence parallel rounded up to a multiple of tp). ``sequence_parallel``:
+    Megatron-style sequence parallelism between the layers' TP regions;
     ``loss_parallel``: under tensor parallel, the logits stay vocab-sharded for a loss computed, with its backward,
     under ``torch.distributed.tensor.parallel.loss_parallel()`` (the module's steps and ``backward`` enter it, and
     under pipeline parallel the runner around each pass, :meth:`CausalLMObjective.pass_context`;
@@ -734,6 +735,7 @@ def causal_lm_parallel_plan(
         # under loss_parallel (CausalLMObjective).
         sharded_logits[0] = loss_parallel and degrees["tp"] > 1 and (degrees["pp"] == 1 or _pipelining_takes_dtensors())
         shard_multiple[0] = degrees["tp"] if sequence_parallel and degrees["pp"] > 1 else 1
+        lazy_plan.reset()  # (the plan depends on sharded_logits)
         known = layout.text_model_type in PIPELINE_FAMILIES and (
             not layout.stem or layout.model_type in PIPELINE_VISION_LANGUAGE
         )
