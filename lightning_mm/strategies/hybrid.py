@@ -297,8 +297,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # (on the final parameters: materialisation makes new ones; pipeline stages may be FSDP2 roots of their own)
-        stages = self._pipeline.stage_modules if self._pipeline is not None else []
-        keep_gradients_sharded(nn.ModuleList([self.lightning_module, *stages]))
+        keep_gradients_sharded(self._with_stages(self.lightning_module))
         if self._pipeline is not None and self._pipeline.tied is not None:
             self._pipeline.tied.broadcast_()  # (on the device) a tied weight's copies on both end stages start equal
         self.barrier()
@@ -393,6 +392,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         _PARALLELIZED[module] = None
         return plan
 
+    def _with_stages(self, module: nn.Module) -> nn.ModuleList:
+        """``module`` and this rank's pipeline stage modules (which hold its submodules but are not under it)."""
+        stages = self._pipeline.stage_modules if self._pipeline is not None else []
+        return nn.ModuleList([module, *stages])
+
     def _materialize(self, module: nn.Module, plan: ParallelPlan | None) -> None:
         """Give a meta-built module this rank's shards and fill them: the plan's ``initialize`` (e.g. pretrained
         slices), else each submodule's ``reset_parameters`` (Lightning's rule)."""
@@ -403,8 +407,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         rank_zero_info(f"{type(module).__name__} was built on the meta device: its shards are filled by {how}")
         # Pipeline stages may register a model's parameter directly (the VLM's last stage holds logit_scale); they
         # are not under `module`, so their references are tied back to the materialised parameters too.
-        stages = self._pipeline.stage_modules if self._pipeline is not None else []
-        with ties_kept(nn.ModuleList([module, *stages])):
+        with ties_kept(self._with_stages(module)):
             if initialize is None:
                 return materialize_distributed_module(module, self.root_device)
             empty_where_meta(module, self.root_device)

@@ -803,7 +803,8 @@ class _LazyPlan(Mapping):
         self._plan: dict | None = None
 
     def reset(self) -> None:
-        """Build again on next use (what the plan depends on changed: the pipeline stage this rank holds)."""
+        """Build again on next use (what the plan depends on changed: the mesh's degrees, the pipeline stage this rank
+        holds)."""
         self._plan = None
 
     def _get(self) -> dict:

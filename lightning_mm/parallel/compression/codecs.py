@@ -253,9 +253,8 @@ class _FactoredRotation:
     @torch.no_grad()  # a codec step (``out=`` refuses tensors that require grad)
     def _apply(self, blocks: torch.Tensor, inverse: bool, out: torch.Tensor | None) -> torch.Tensor:
         # Chunk by chunk (_ROTATION_CHUNK_ELEMENTS), so that each chunk's two intermediate products stay in the core's
-        # cache; the
-        # result goes straight into ``out``. In place is safe: a chunk is read whole into the first product before
-        # its rows are written.
+        # cache; the result goes straight into ``out``. In place is safe: a chunk is read whole into the first product
+        # before its rows are written.
         out = torch.empty_like(blocks) if out is None else out
         rows = _chunk_rows(blocks, _ROTATION_CHUNK_ELEMENTS)
         for first in range(0, blocks.shape[0], rows):
