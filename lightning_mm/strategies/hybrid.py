@@ -222,10 +222,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @property
     def parallel_dims(self) -> ParallelDims:
         if self._dims is None:
-            raise RuntimeError(
-                "HybridParallelStrategy.parallel_dims is available once the Trainer has set up the "
-                "processes (setup_environment)"
-            )
+            msg = "HybridParallelStrategy.parallel_dims is available once the Trainer has set up the processes"
+            raise RuntimeError(f"{msg} (setup_environment)")
         return self._dims
 
     @property
@@ -267,10 +265,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # Degrees are checked against the world size before any process group exists, so a wrong config fails
-        # identically on every rank without a hang.
+        # Degrees and the node layout (num_processes: devices per node) are checked before any process group
+        # exists, so a wrong config fails identically on every rank without a hang.
         self._dims = ParallelDims.from_args(self.num_nodes * self.num_processes, **self.options.degrees)
-        # num_processes: devices per node. Refused before any process group exists, identically on every rank.
         for finding in self._dims.check_nodes(self.num_processes, self.allow_cross_node_groups):
             rank_zero_warn(f"allow_cross_node_groups=True: {finding}")
         super(ModelParallelStrategy, self).setup_environment()  # accelerator / device setup
