@@ -108,13 +108,17 @@ def _heldout_loss(module: VLMModule, batches: list) -> dict[str, float]:
     return {key: value / len(batches) for key, value in sums.items()}
 
 
-def study_trainer(strategy: Any, max_steps: int, callbacks: list[L.Callback]) -> L.Trainer:
+def study_trainer(
+    strategy: Any, max_steps: int, callbacks: list[L.Callback], devices: int = WORLD, num_nodes: int = 1
+) -> L.Trainer:
     """The study's Trainer on ``WORLD`` CPU ranks: no validation, gradient clipping 1.0, nothing logged or saved
-    (``compression_step_overhead.py`` times steps on the same one)."""
+    (``compression_step_overhead.py`` times steps on the same one; ``compression_time_to_target.py`` runs it as one
+    device on each of two nodes)."""
     return L.Trainer(
         reload_dataloaders_every_n_epochs=1,  # (each epoch's plan has its own batch count)
         accelerator="cpu",
-        devices=WORLD,
+        devices=devices,
+        num_nodes=num_nodes,
         strategy=strategy,
         max_steps=max_steps,
         limit_val_batches=0,
