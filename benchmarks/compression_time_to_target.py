@@ -445,7 +445,7 @@ def main() -> None:
     parser.add_argument("--t2-steps", type=int, default=4000, help="T2's cosine horizon (it sees half a batch a step)")
     parser.add_argument("--eval-every", type=int, default=32, help="held-out evaluation interval (T2: max with H)")
     parser.add_argument("--budget-factor", type=float, default=4.0, help="stop at this many times fp32's seconds")
-    parser.add_argument("--heldout-batches", type=int, default=24, help="fixed validation batches per score")
+    parser.add_argument("--heldout-batches", type=int, default=12, help="fixed validation batches per score")
     parser.add_argument("--sustain", type=int, default=3, help="scores in a row at or under the target")
     parser.add_argument("--rows-per-batch", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
