@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -244,9 +244,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> d
             )
         matched = [fqn for fqn in modules if fnmatch.fnmatchcase(fqn, pattern)]
         if not matched:
-            close = difflib.get_close_matches(pattern, list(modules), n=5, cutoff=0.5)
-            hint = f"; closest module names: {close}" if close else ""
-            raise ValueError(f"TP plan pattern {pattern!r} matches nothing in {type(model).__name__}{hint}")
+            raise _matches_nothing(pattern, list(modules), type(model).__name__)
         for fqn in matched:
             _check_module_type(pattern, fqn, style, modules[fqn])
             if fqn in resolved and _describe(resolved[fqn]) != _describe(style):
@@ -259,10 +257,25 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> d
     return {fqn: _style(style) if isinstance(style, str) else style for fqn, style in resolved.items()}
 
 
-def stage_plan(model: nn.Module, plan: Mapping[str, str | ParallelStyle]) -> dict[str, str | ParallelStyle]:
+def _matches_nothing(pattern: str, names: list[str], owner: str) -> ValueError:
+    close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+    hint = f"; closest module names: {close}" if close else ""
+    return ValueError(f"TP plan pattern {pattern!r} matches nothing in {owner}{hint}")
+
+
+def stage_plan(
+    model: nn.Module, plan: Mapping[str, str | ParallelStyle], unsplit: Sequence[str]
+) -> dict[str, str | ParallelStyle]:
     """``plan`` restricted to the patterns that match a module ``model`` still holds: a pipeline stage, whose units
     held by other stages are :class:`~lightning_mm.parallel.pipeline.PassThrough` modules (their patterns would
-    otherwise "match nothing" in :func:`resolve_plan`)."""
+    otherwise "match nothing" in :func:`resolve_plan`).
+
+    ``unsplit``: the module names of the whole model before the split. A pattern that matches none of them is
+    refused as :func:`resolve_plan` refuses it (a typo would otherwise leave that part of the model unsharded on
+    every stage, silently); one that matches only other stages' modules is dropped here."""
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in unsplit if name):
+            raise _matches_nothing(pattern, [name for name in unsplit if name], f"{type(model).__name__} (any stage)")
     held = [name for name, module in model.named_modules() if name and not isinstance(module, PassThrough)]
     return {
         pattern: style for pattern, style in plan.items() if any(fnmatch.fnmatchcase(name, pattern) for name in held)

@@ -70,8 +70,7 @@ from lightning_mm.strategies.precision import with_mesh_clipping
 __all__ = ["HybridParallelStrategy"]
 
 _PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, PipelineRunner | None] = weakref.WeakKeyDictionary()
-"""Modules this process has parallelized (a second ``fit`` / ``validate`` reuses them), with their pipeline runner.
-Kept here rather than as attributes on the user's module."""
+"""Modules this process parallelized (a second ``fit`` reuses them) and their pipeline runner: not stamped on them."""
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -325,8 +324,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
                     f"{type(module).__name__}.parallel_plan() must return a "
                     f"lightning_mm.parallel.protocol.ParallelPlan, got {type(plan).__name__}"
                 )
-        else:
-            plan = pipeline_setup.held_model_plan(module, self._microbatches()) or ParallelPlan()
+        else:  # (the plan of a Hugging Face causal LM it holds, if any: lightning_mm.models.hf.held)
+            held = pipeline_setup.held_model_plan(module, self._microbatches(), self.sequence_parallel)
+            plan = held or ParallelPlan()
         if self.tp_plan is not None:
             if self.sequence_parallel:
                 raise ValueError(
@@ -334,10 +334,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
                     "tp_plan argument, mark the norms 'sequence' in that plan instead"
                 )
             plan.tp_plan = self.tp_plan
-        elif self.sequence_parallel and not callable(declare):
+        elif self.sequence_parallel and not callable(declare) and plan.tp_plan is None:
             raise ValueError(
-                f"sequence_parallel=True needs a model that declares its sequence-parallel plan "
-                f"(parallel_plan()); {type(module).__name__} has none, so pass tp_plan with "
+                f"sequence_parallel=True needs a model that declares its sequence-parallel plan (parallel_plan()) or "
+                f"holds a Hugging Face causal LM; {type(module).__name__} does neither, so pass tp_plan with "
                 "'sequence' styles instead"
             )
         return plan

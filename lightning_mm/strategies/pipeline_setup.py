@@ -63,7 +63,7 @@ def _default_pipeline_target(batch: Any) -> Any:
     )
 
 
-def held_model_plan(module: nn.Module, microbatches: int) -> ParallelPlan | None:
+def held_model_plan(module: nn.Module, microbatches: int, sequence_parallel: bool = False) -> ParallelPlan | None:
     """For a module that declares no plan: the plan of the Hugging Face causal LM it holds
     (:func:`lightning_mm.models.hf.held.held_model_plan`), or None. Looked for only once ``transformers`` is
     imported (a module holding one has imported it), so the core package never imports it."""
@@ -71,7 +71,7 @@ def held_model_plan(module: nn.Module, microbatches: int) -> ParallelPlan | None
         return None
     from lightning_mm.models.hf.held import held_model_plan as plan_of_held_model
 
-    return plan_of_held_model(module, microbatches=microbatches)
+    return plan_of_held_model(module, microbatches=microbatches, sequence_parallel=sequence_parallel)
 
 
 def pipeline_spec(
@@ -169,11 +169,12 @@ def build_pipeline(
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = stage_ids_for_rank(pp_rank, dims.pp, virtual_stages)
     tied = [[fqn for fqn, _, _ in places] for places in shared_parameters(module)]  # (before the split prunes them)
+    unsplit = [name for name, _ in module.named_modules()]  # (a tp_plan pattern must match one of them)
     stage_modules = spec.build_stages(stages, stage_ids)
     if dims.tp_enabled:
         # Stage boundaries carry plain tensors: replicated over tp, or under sequence parallel each tp rank's
         # sequence shard (PipelineSpec.sequence_shards).
-        apply_tensor_parallel(module, dims.get_mesh("tp"), stage_plan(module, tp_plan()))
+        apply_tensor_parallel(module, dims.get_mesh("tp"), stage_plan(module, tp_plan(), unsplit))
     blocks = list(plan.blocks) if plan.blocks is not None else transformer_blocks(module)
     shard_mesh = fsdp_mesh()
     for stage_module in stage_modules:

@@ -320,7 +320,7 @@ def _losses(run: dict) -> torch.Tensor:
     + [(model, mesh) for model in ("llava_packed", "qwen2_packed") for mesh in ("fsdp2", "tp2", "pp2")]
     + [("llava_text_rank", "fsdp2")]
     + [("qwen2_tied", "pp2"), ("qwen2_tied", "pp2_fsdp2"), ("llama_lora", "tp2_fsdp2")]  # (tp2 without sp: llama)
-    + [("user_llama", mesh) for mesh in ("tp2", "pp2")]
+    + [("user_llama", mesh) for mesh in ("tp2", "pp2", "tp2_sp", "pp2_tp2_sp")]  # (the held model's plan)
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]
     + [(model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")]

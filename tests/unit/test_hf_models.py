@@ -209,8 +209,9 @@ def test_a_stage_after_the_first_decoder_layer_takes_sequence_shards(first_layer
     before = dict(plan.tp_plan)  # built before the split: must not be kept
     assert "model.model" not in before
     start = "model.model.layers.0" if first_layer_on_stage_1 else "model.model.layers.1"
+    unsplit = [name for name, _ in llama.named_modules()]
     plan.pipeline.build_stages(explicit_split(plan.pipeline.units, [start], 2), [1])
-    styles = resolve_plan(llama, stage_plan(llama, plan.tp_plan))  # what the strategy applies on this stage
+    styles = resolve_plan(llama, stage_plan(llama, plan.tp_plan, unsplit))  # what the strategy applies on this stage
     assert isinstance(styles.get("model.model"), PrepareModuleInput) != first_layer_on_stage_1
     assert "model.model.embed_tokens" not in styles  # a PassThrough here: no style lands on it
 
@@ -263,6 +264,24 @@ def test_a_user_module_gets_the_plan_of_the_hf_model_it_holds(caplog):
     assert "several Hugging Face models ('model', 'teacher')" in caplog.text
 
 
+def test_sequence_parallel_for_a_user_module_comes_from_the_hf_model_it_holds():
+    # (against one process: tests/distributed/test_hf_causal_lm.py, user_llama tp2_sp / pp2_tp2_sp)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from lightning_mm.strategies import HybridParallelStrategy
+
+    strategy = HybridParallelStrategy(tensor_parallel=2, sequence_parallel=True)
+    plan = strategy.parallel_plan(_Holder(_llama()))
+    plan.check_degrees({**DEGREES, "tp": 2})
+    styles = resolve_plan(_Holder(_llama()), plan.tp_plan)
+    assert isinstance(styles["model.model.layers.0.input_layernorm"], SequenceParallel)
+    head = styles["model.lm_head"]  # takes sequence shards, returns whole logits: the module's own loss needs them
+    assert (head.input_layouts, head.output_layouts, head.use_local_output) == ((Shard(1),), (Replicate(),), True)
+    with pytest.raises(ValueError, match="holds a Hugging Face causal LM; _Holder does neither"):
+        strategy.parallel_plan(_Holder(torch.nn.Linear(2, 2)))
+
+
 def test_sequence_parallel_plan_shards_the_residual_stream_between_the_tp_regions():
     # (against one process: tests/distributed/test_hf_causal_lm.py, *_sp meshes)
     from torch.distributed.tensor import Shard
@@ -293,3 +312,22 @@ def test_sequence_parallel_plan_shards_the_residual_stream_between_the_tp_region
     assert pipelined.pipeline.sequence_shards and not llama.parallel_plan().pipeline.sequence_shards
     with pytest.raises(ValueError, match=r"sequence-parallel plan is verified for the decoders .*'gemma'"):
         dict(module("gemma").parallel_plan(sequence_parallel=True).tp_plan)
+
+
+def test_a_tp_plan_typo_under_pipeline_parallel_is_refused_on_every_stage():
+    # A stage drops the patterns of modules other stages hold, but a pattern that matches nothing in the whole model
+    # is a typo: refused with the closest names, as without pipeline parallelism (it would leave those layers
+    # unsharded on every stage, silently)
+    llama = module("llama")
+    plan = llama.parallel_plan(microbatches=2)
+    plan.check_degrees({**DEGREES, "tp": 2, "pp": 2})
+    unsplit = [name for name, _ in llama.named_modules()]
+    plan.pipeline.build_stages(explicit_split(plan.pipeline.units, ["model.model.layers.1"], 2), [1])
+    kept = stage_plan(llama, plan.tp_plan, unsplit)
+    assert "model.model.embed_tokens" in plan.tp_plan and "model.model.embed_tokens" not in kept  # stage 0's
+    assert kept and set(kept) < set(plan.tp_plan)
+    typo = {**plan.tp_plan, "model.model.layrs.*.mlp.gate_proj": "colwise"}
+    with pytest.raises(
+        ValueError, match=r"'model\.model\.layrs\.\*\.mlp\.gate_proj' matches nothing .*any stage.*closest"
+    ):
+        stage_plan(llama, typo, unsplit)

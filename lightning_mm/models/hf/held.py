@@ -45,10 +45,14 @@ def held_models(root: nn.Module) -> dict[str, PreTrainedModel]:
     return found
 
 
-def held_model_plan(root: nn.Module, *, microbatches: int = 1) -> ParallelPlan | None:
+def held_model_plan(root: nn.Module, *, microbatches: int = 1, sequence_parallel: bool = False) -> ParallelPlan | None:
     """The plan of the one Hugging Face causal LM inside ``root`` (a LightningModule with no ``parallel_plan``), or
     None when it holds none. Raises ``ValueError`` for several, or for one whose decoder lightning-mm does not know
-    (naming what to pass instead)."""
+    (naming what to pass instead).
+
+    ``sequence_parallel``: Megatron-style sequence parallelism between the layers' tensor-parallel regions, as
+    :class:`~lightning_mm.models.hf.HFCausalLMModule` has it. The logits come back whole (no loss parallel): the
+    module's ``training_step`` computes its loss from them as it does on one process."""
     found = held_models(root)
     if not found:
         return None
@@ -66,7 +70,7 @@ def held_model_plan(root: nn.Module, *, microbatches: int = 1) -> ParallelPlan |
     except ValueError as error:  # not a decoder-only causal LM: the generic rules, as for any module
         log.info("%s: no plan is taken from the Hugging Face model it holds: %s", type(root).__name__, error)
         return None
-    plan = causal_lm_parallel_plan(root, model, microbatches=microbatches)
+    plan = causal_lm_parallel_plan(root, model, microbatches=microbatches, sequence_parallel=sequence_parallel)
     own_loss = callable(getattr(root, "pipeline_loss", None))
     if own_loss:
         # the module's pipeline_loss and pipeline_split cut it as any chain, whatever the decoder family
