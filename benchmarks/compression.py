@@ -633,6 +633,15 @@ def _link_table(measured: dict[str, Any]) -> dict[str, Any]:
     return {"measured": measured, "rows": rows, "measured_break_even_gbit_s": break_even}
 
 
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """``record`` as indented JSON at ``path``, written atomically (a study interrupted mid-write keeps the last
+    complete file: :func:`lightning_mm.checkpoint.write_atomically`)."""
+    from lightning_mm.checkpoint import write_atomically
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, lambda file: file.write(json.dumps(record, indent=2).encode()))
+
+
 def machine() -> dict[str, Any]:
     """What the results were measured on (stored with them)."""
     return {

@@ -245,10 +245,7 @@ def _summary(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
 def _write(path: Path, record: dict[str, Any], args: argparse.Namespace) -> None:
     methods = _summary(record["runs"], args)
     record.update(machine=bench.machine(), args=vars(args), methods=methods, baseline=methods.get("fp32"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(record, indent=2))
-    temporary.replace(path)
+    bench.write_record(path, record)
 
 
 def _print_table(methods: dict[str, Any]) -> None:

@@ -354,11 +354,7 @@ def _write(args: argparse.Namespace, record: dict[str, Any]) -> None:
     record["summary"] = {rate: _summary(runs) for rate, runs in record["runs"].items()}
     record["goals"] = _goals(record["summary"], args.seeds)
     record.update(machine=bench.machine(), args=vars(args))
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(record, indent=2))
-    temporary.replace(path)
+    bench.write_record(Path(args.output), record)
 
 
 def _print(record: dict[str, Any]) -> None:

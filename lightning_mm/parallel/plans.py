@@ -273,9 +273,10 @@ def stage_plan(
     ``unsplit``: the module names of the whole model before the split. A pattern that matches none of them is
     refused as :func:`resolve_plan` refuses it (a typo would otherwise leave that part of the model unsharded on
     every stage, silently); one that matches only other stages' modules is dropped here."""
+    whole = [name for name in unsplit if name]  # (the root's own name is "")
     for pattern in plan:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in unsplit if name):
-            raise _matches_nothing(pattern, [name for name in unsplit if name], f"{type(model).__name__} (any stage)")
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in whole):
+            raise _matches_nothing(pattern, whole, f"{type(model).__name__} (any stage)")
     held = [name for name, module in model.named_modules() if name and not isinstance(module, PassThrough)]
     return {
         pattern: style for pattern, style in plan.items() if any(fnmatch.fnmatchcase(name, pattern) for name in held)
