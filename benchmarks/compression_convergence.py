@@ -109,11 +109,17 @@ def _heldout_loss(module: VLMModule, batches: list) -> dict[str, float]:
 
 
 def study_trainer(
-    strategy: Any, max_steps: int, callbacks: list[L.Callback], devices: int = WORLD, num_nodes: int = 1
+    strategy: Any,
+    max_steps: int,
+    callbacks: list[L.Callback],
+    devices: int = WORLD,
+    num_nodes: int = 1,
+    log_every_n_steps: int = 1,
 ) -> L.Trainer:
-    """The study's Trainer on ``WORLD`` CPU ranks: no validation, gradient clipping 1.0, nothing logged or saved
+    """The study's Trainer on ``WORLD`` CPU ranks: no validation, gradient clipping 1.0, nothing saved, no logger
     (``compression_step_overhead.py`` times steps on the same one; ``compression_time_to_target.py`` runs it as one
-    device on each of two nodes)."""
+    device on each of two nodes). ``log_every_n_steps``: 1 where a recorder reads each step's compression counters
+    (the callback logs them when Lightning logs)."""
     return L.Trainer(
         reload_dataloaders_every_n_epochs=1,  # (each epoch's plan has its own batch count)
         accelerator="cpu",
@@ -125,6 +131,7 @@ def study_trainer(
         num_sanity_val_steps=0,
         gradient_clip_val=1.0,
         logger=False,
+        log_every_n_steps=log_every_n_steps,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

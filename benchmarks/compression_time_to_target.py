@@ -22,8 +22,12 @@ Per link rate and seed, in this order:
    replicas hold the same model) on ``--heldout-batches`` fixed validation batches with the clock stopped. Its
    **time to target** is the training seconds at the first of ``--sustain`` scores in a row at or under the target
    (a score dipping under it once does not count; an upper bound by at most one interval). It stops there, or when
-   its seconds reach 4x the unit, or at its ``max_steps`` (the cosine horizon: ``--t2-steps`` for T2). ``auto`` is
-   not stopped: it runs fp32's steps and its seconds are compared with fp32's.
+   its seconds reach 4x the unit, or at its ``max_steps`` (the cosine horizon: ``--t2-steps`` for T2).
+
+``auto`` is not timed to a target: it runs fp32's steps, is scored like fp32 (once, after its last step: no
+evaluation in between that fp32 would not have), and its seconds are compared with fp32's. Neither needs the other,
+so their order alternates with the seed (fp32 first for even seeds, auto first for odd ones): on this machine, whose
+speed drifts by ~10 % over minutes, the one run second is not always the one on a warmer or busier machine.
 
 Methods (``compression_convergence.py``'s, plus the automatic choice): ``int4 (T1)`` (INT4 + rotation on FSDP2's
 reduce-scatter), ``T2 H=16`` / ``T2 H=64`` (2 replica groups of one rank, :class:`~lightning_mm.callbacks.ReplicaSync`
@@ -65,6 +69,7 @@ METHODS = {
     "auto": ({"data_parallel_shard": 2}, {"auto": True}, None, "dp_shard reduce-scatter"),
 }
 BASELINES = ("fp32", "fp32 HSDP")  # uncompressed: the faster of the two is the unit of time
+SAME_STEPS = ("auto",)  # run the baseline's steps, scored like it, compared by seconds (not timed to a target)
 SLOW_LINKS = ("100mbit",)  # rates at which the slow-link methods run by default
 PORT = 29611
 
@@ -86,11 +91,9 @@ class _Clock(L.Callback):
         target: float | None,
         budget: float | None,
         sustain: int,
-        stop_at_target: bool,
-        auto: Any = None,
     ) -> None:
         self.heldout, self.eval_every, self.target, self.budget = heldout, eval_every, target, budget
-        self.sustain, self.stop_at_target, self.auto = sustain, stop_at_target, auto
+        self.sustain = sustain
         self.curve: list[dict[str, float]] = []
         self.reached: dict[str, float] | None = None
         self.stopped_by = "max_steps"
@@ -105,8 +108,6 @@ class _Clock(L.Callback):
         if step < trainer.max_steps and (self.eval_every is None or step % self.eval_every):
             return
         evaluation_start = time.perf_counter()
-        if self.auto is not None:
-            self.auto.interrupt()  # (an interval holding an evaluation is not one of auto's timed steps)
         point = {"step": step, "seconds": seconds, "heldout_loss": conv._heldout_loss(pl_module, self.heldout)["total"]}
         self.curve.append(point)  # (the loss is the same on both ranks)
         under = self.target is not None and point["heldout_loss"] <= self.target
@@ -115,7 +116,7 @@ class _Clock(L.Callback):
             self.reached = self._streak[0]
         stop = torch.zeros(2)  # [target reached and held, budget spent]: rank 0's clock decides for both
         if dist.get_rank() == 0:
-            stop[0] = float(self.stop_at_target and self.reached is not None)
+            stop[0] = float(self.reached is not None)
             stop[1] = float(self.budget is not None and seconds >= self.budget)
         dist.broadcast(stop, src=0)
         if stop.any():
@@ -126,7 +127,7 @@ class _Clock(L.Callback):
 
 def _run(name: str, seed: int, args: argparse.Namespace, heldout: list, base: dict | None) -> dict[str, Any]:
     """One fit of ``name`` from ``seed``. ``base``: the seed's uncompressed baselines (target loss, seconds); None
-    for a baseline itself, which is scored once, after its last step."""
+    for a baseline itself and for ``SAME_STEPS`` methods, scored once, after the last step."""
     from lightning_mm.callbacks import CompressedAllToAll, ReplicaSync
     from lightning_mm.strategies import HybridParallelStrategy
 
@@ -146,21 +147,19 @@ def _run(name: str, seed: int, args: argparse.Namespace, heldout: list, base: di
         callbacks.append(compression)
     if sync is not None:
         callbacks.append(ReplicaSync(**sync, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum))
-    # auto runs the baseline's steps whatever its loss does (its seconds are compared with the baseline's; when it
-    # crossed the target is kept); T2 scores right after its syncs (a multiple of H), when both replicas are equal.
+    # T2 scores right after its syncs (a multiple of H), when both replicas are equal.
     auto = compression.auto if compression is not None else None
     clock = _Clock(
         heldout,
         None if base is None else -(-args.eval_every // every) * every,
         None if base is None else base["final_heldout_loss"],
-        None if base is None or auto is not None else args.budget_factor * base["seconds"],
+        None if base is None else args.budget_factor * base["seconds"],
         args.sustain,
-        stop_at_target=auto is None,
-        auto=auto,
     )
     callbacks.append(clock)
     strategy = HybridParallelStrategy(**degrees)
-    trainer = conv.study_trainer(strategy, max_steps, callbacks, devices=1, num_nodes=2)
+    # Lightning's default logging interval (50), as a user runs: CompressedAllToAll logs its counters then only.
+    trainer = conv.study_trainer(strategy, max_steps, callbacks, devices=1, num_nodes=2, log_every_n_steps=50)
     trainer.fit(module, datamodule=dm)
     final = clock.curve[-1]
     run = {
@@ -214,10 +213,12 @@ def _worker(args: argparse.Namespace) -> None:
     results: list[dict[str, Any]] = []
     for seed in args.seeds:
         base_runs = [done[(m, seed)] for m in baselines if (m, seed) in done]
-        for name in [m for m in baselines if (m, seed) not in done] + others:
-            if (name, seed) in done:
-                continue
-            run = _run(name, seed, args, heldout, None if name in BASELINES else _base(base_runs))
+        order = [m for m in baselines + others if (m, seed) not in done]
+        if seed % 2 and all(m in BASELINES + SAME_STEPS for m in order):
+            order.reverse()  # (nothing in it needs a baseline's target: alternate which side runs first)
+        for name in order:
+            scored_once = name in BASELINES + SAME_STEPS
+            run = _run(name, seed, args, heldout, None if scored_once else _base(base_runs))
             if name in BASELINES:
                 base_runs.append(run)
             if rank == 0:
@@ -300,7 +301,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         row: dict[str, Any] = {"seeds": [r["seed"] for r in mine]}
         row["final_heldout_loss_mean"] = statistics.mean(r["final_heldout_loss"] for r in mine)
-        if name in BASELINES:
+        if name in BASELINES + SAME_STEPS:
             row["seconds_mean"] = statistics.mean(r["seconds"] for r in mine)
             row["steps"] = mine[0]["steps"]
         else:
@@ -317,7 +318,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if name == "auto":
             fp32 = {r["seed"]: r for r in runs if r["name"] == "fp32"}
             row["decisions"] = [r["auto"]["compressed"] for r in mine]
-            # The same steps as fp32 in the same layout (FSDP2; auto never stops early): seconds against its.
+            # The same steps as fp32 in the same layout (FSDP2), scored alike: seconds against its.
             row["seconds_vs_fp32"] = [r["seconds"] / fp32[r["seed"]]["seconds"] for r in mine if r["seed"] in fp32]
             row["seconds_vs_fp32_max"] = max(row["seconds_vs_fp32"], default=None)
         table[name] = row
@@ -363,16 +364,17 @@ def _print(record: dict[str, Any]) -> None:
     )
     for rate, table in record["summary"].items():
         for name, row in table.items():
-            if name in BASELINES:
+            if name in BASELINES + SAME_STEPS:
                 seconds = f"{row['seconds_mean']:.0f} s for {row.get('steps', '')}"
                 print(f"{rate:8} {name:20} {seconds:>34} {'':>6} {row['final_heldout_loss_mean']:9.4f}")
-                continue
-            each = ", ".join("-" if x is None else f"{x:.2f}" for x in row["time_to_target_vs_fp32"])
-            mean = row["time_to_target_vs_fp32_mean"]
-            mean = f"{mean:6.2f}" if mean is not None else f">{row['time_to_target_vs_fp32_lower_bound_mean']:5.2f}"
-            print(
-                f"{rate:8} {name:20} {each:>34} {mean} {row['final_heldout_loss_mean']:9.4f} {row['steps_mean']:6.0f}"
-            )
+            else:
+                each = ", ".join("-" if x is None else f"{x:.2f}" for x in row["time_to_target_vs_fp32"])
+                mean = row["time_to_target_vs_fp32_mean"]
+                mean = f"{mean:6.2f}" if mean is not None else f">{row['time_to_target_vs_fp32_lower_bound_mean']:5.2f}"
+                print(
+                    f"{rate:8} {name:20} {each:>34} {mean} {row['final_heldout_loss_mean']:9.4f} "
+                    f"{row['steps_mean']:6.0f}"
+                )
             if name == "auto":
                 print(
                     f"{'':8} {'':20} auto chose compressed: {row['decisions']}, 1000-step seconds / fp32: "

@@ -1,6 +1,6 @@
 """Helpers shared by the reliability callbacks (:mod:`.gradient_consistency`, :mod:`.bad_batch_guard`,
 :mod:`.rank_watchdog`) and :mod:`.compression`: world size and rank without a process group, gathering Python
-objects, logging a small per-rank table, the local part of a DTensor.
+objects, logging a small per-rank table, whether Lightning logs after this batch, the local part of a DTensor.
 
 The reliability callbacks make every decision from values that every rank has gathered, so every rank takes the
 same branch and runs the same collectives: a guard or check can never be the cause of a hang.
@@ -51,6 +51,13 @@ def _log_rows(
         for column, value in zip(columns[1:], row[1:], strict=True):
             if isinstance(value, bool | int | float):
                 pl_module.log(f"{prefix}/{column}", float(value), on_step=True, on_epoch=False, batch_size=1)
+
+
+def _logs_after_this_batch(trainer: L.Trainer) -> bool:
+    """Whether Lightning writes the logged metrics after the current training batch (every ``log_every_n_steps``
+    optimizer steps). Lightning's own LearningRateMonitor, DeviceStatsMonitor and ThroughputMonitor ask the same
+    private property before logging; there is no public one."""
+    return bool(trainer._logger_connector.should_update_logs)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

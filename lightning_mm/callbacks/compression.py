@@ -18,13 +18,14 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mm.callbacks._common import _rank, _world
+from lightning_mm.callbacks._common import _logs_after_this_batch, _rank, _world
 from lightning_mm.parallel.compression import (
     AUTO_MARGIN,
     AUTO_TRIAL_STEPS,
     AUTO_WARMUP_STEPS,
     AutoTrial,
     CodecConfig,
+    CommStats,
     GradCompressionState,
     register_ddp_compression,
     register_fsdp_compression,
@@ -46,6 +47,20 @@ _ADAPTIVE_OPTIMIZERS = (
     torch.optim.RMSprop,
 )
 _STATE_VERSION = 1
+
+
+@dataclasses.dataclass
+class _Interval:
+    """A ``CommStats`` summed over the optimizer steps since the metrics were last logged."""
+
+    stats: CommStats = dataclasses.field(default_factory=CommStats)
+    steps: int = 0
+    exact_backward_bytes: int = 0
+
+    def add(self, stats: CommStats, exact_backward_bytes: int = 0) -> None:
+        self.stats.add(stats)
+        self.steps += 1
+        self.exact_backward_bytes += exact_backward_bytes
 
 
 def _default_codec(
@@ -229,6 +244,8 @@ class CompressedAllToAll(pl.Callback):
         """The codec of the expert dispatch / combine (dense: ``topk_ratio`` forced to 1)."""
         self.moe_dispatchers: list[Any] = []
         """Expert dispatchers the codec is installed on (during ``fit``)."""
+        self._grad_interval = _Interval()
+        self._moe_interval = _Interval()
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -252,6 +269,7 @@ class CompressedAllToAll(pl.Callback):
         # After strategy.setup (the model is wrapped / sharded by now) and before the first backward.
         self.registered = None
         self.state.stats.reset()
+        self._grad_interval, self._moe_interval = _Interval(), _Interval()
         if self.auto is not None:
             self.auto.reset()  # each fit measures again (another machine, link or model after a resume)
         if "moe" in self.targets:
@@ -413,15 +431,26 @@ class CompressedAllToAll(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        # The counters of each step that exchanged something are summed, and logged only when Lightning writes its
+        # logs (every ``log_every_n_steps`` optimizer steps, as Lightning's own LearningRateMonitor and
+        # ThroughputMonitor do): a Lightning ``log`` of a Python number costs ~0.5 ms of CPU on this machine (a new
+        # tensor, the result collection), and 9 of them every step made ``auto=True``'s plain steps 3 % slower than
+        # no callback (benchmarks/compression_time_to_target.py).
+        logs_now = _logs_after_this_batch(trainer)
         moe = self.moe_codec.stats
         if self.moe_dispatchers and moe.calls + moe.uncompressed_calls:
-            pl_module.log_dict(self.moe_metrics(), on_step=True, on_epoch=False, batch_size=1)
+            self._moe_interval.add(moe, self.moe_codec.exact_backward_bytes)
             self.moe_codec.reset()
+        if self._moe_interval.steps and logs_now:
+            pl_module.log_dict(self.moe_metrics(), on_step=True, on_epoch=False, batch_size=1)
+            self._moe_interval = _Interval()
         stats = self.state.stats
-        if self.registered is None or stats.calls + stats.uncompressed_calls == 0:
-            return  # nothing synced this batch (gradient accumulation, or nothing installed)
-        pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
-        stats.reset()
+        if self.registered is not None and stats.calls + stats.uncompressed_calls:
+            self._grad_interval.add(stats)
+            stats.reset()
+        if self._grad_interval.steps and logs_now:
+            pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
+            self._grad_interval = _Interval()
         resets = self.state.feedback.resets + self.state.gather_feedback.resets
         if resets:
             rank_zero_warn(
@@ -432,31 +461,37 @@ class CompressedAllToAll(pl.Callback):
             self.state.gather_feedback.resets.clear()
 
     @staticmethod
-    def _stats_metrics(prefix: str, stats) -> dict[str, float]:
-        """Bytes, ratio, codec time, break-even bandwidth of one exchange's counters as ``compression/<prefix>*``."""
+    def _stats_metrics(prefix: str, interval: _Interval) -> dict[str, float]:
+        """Bytes, ratio, codec time, break-even bandwidth of one exchange's counters as ``compression/<prefix>*``:
+        bytes and milliseconds per optimizer step (means over the steps since the last log), the ratio and the
+        break-even bandwidth of their sums, the payloads sent raw for non-finite values in all of them."""
+        stats, steps = interval.stats, max(interval.steps, 1)
         return {
-            f"compression/{prefix}bytes_before": float(stats.bytes_before),
-            f"compression/{prefix}bytes_after": float(stats.bytes_after),
+            f"compression/{prefix}bytes_before": stats.bytes_before / steps,
+            f"compression/{prefix}bytes_after": stats.bytes_after / steps,
             f"compression/{prefix}ratio": stats.ratio,
-            f"compression/{prefix}encode_ms": 1e3 * stats.encode_seconds,
-            f"compression/{prefix}decode_ms": 1e3 * stats.decode_seconds,
+            f"compression/{prefix}encode_ms": 1e3 * stats.encode_seconds / steps,
+            f"compression/{prefix}decode_ms": 1e3 * stats.decode_seconds / steps,
             f"compression/{prefix}break_even_gbit_s": 8e-9 * stats.break_even_bytes_per_second,
             f"compression/{prefix}raw_nonfinite": float(stats.raw_nonfinite),
         }
 
     def metrics(self) -> dict[str, float]:
-        """What :meth:`on_train_batch_end` logs, from the counters of the current step."""
+        """What :meth:`on_train_batch_end` logs for the gradient exchange: the steps since the last log (see
+        :meth:`_stats_metrics`), whether the current step compresses and its Top-k fraction."""
         return {
-            **self._stats_metrics("", self.state.stats),
+            **self._stats_metrics("", self._grad_interval),
             "compression/active": float(self.state.active),
             "compression/topk_ratio": self.state.config.topk_ratio if self.state.active else 1.0,
         }
 
     def moe_metrics(self) -> dict[str, float]:
-        """The ``compression/moe_*`` values :meth:`on_train_batch_end` logs (expert dispatch / combine)."""
+        """The ``compression/moe_*`` values :meth:`on_train_batch_end` logs (expert dispatch / combine), over the
+        steps since the last log; ``moe_exact_backward_bytes`` per step."""
+        interval = self._moe_interval
         return {
-            **self._stats_metrics("moe_", self.moe_codec.stats),
-            "compression/moe_exact_backward_bytes": float(self.moe_codec.exact_backward_bytes),
+            **self._stats_metrics("moe_", interval),
+            "compression/moe_exact_backward_bytes": interval.exact_backward_bytes / max(interval.steps, 1),
             "compression/moe_active": float(self.moe_codec.active),
         }
 

@@ -335,11 +335,14 @@ class _ResidualsAtStart(L.Callback):
         self.residuals = self.target.state.residual_state()
 
 
-def _trainer(world: int, strategy, steps: int, callbacks: list) -> L.Trainer:
-    return quiet_trainer(world, strategy, steps, callbacks)
+def _trainer(world: int, strategy, steps: int, callbacks: list, log_every_n_steps: int = 1) -> L.Trainer:
+    # (every step by default: the tests read each step's counters; the callback logs when Lightning logs)
+    return quiet_trainer(world, strategy, steps, callbacks, log_every_n_steps=log_every_n_steps)
 
 
-def _fit(rank: int, world: int, strategy_name: str, compression: dict | None, steps: int = STEPS) -> dict:
+def _fit(
+    rank: int, world: int, strategy_name: str, compression: dict | None, steps: int = STEPS, log_every_n_steps: int = 1
+) -> dict:
     from lightning_mm.strategies import HybridParallelStrategy
 
     L.seed_everything(1234, verbose=False)
@@ -350,7 +353,7 @@ def _fit(rank: int, world: int, strategy_name: str, compression: dict | None, st
     # The compression callback first: it logs (and resets its counters) in on_train_batch_end, before _Metrics reads.
     callbacks = ([CompressedAllToAll(**compression)] if compression is not None else []) + [recorder, metrics]
     strategy = HybridParallelStrategy() if strategy_name == "fsdp2" else "ddp"
-    trainer = _trainer(world, strategy, steps, callbacks)
+    trainer = _trainer(world, strategy, steps, callbacks, log_every_n_steps)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch] * steps, batch_size=None))
     first = next(p for p in module.model.parameters() if p.ndim == 2)
     first = first.full_tensor() if hasattr(first, "full_tensor") else first
@@ -393,6 +396,7 @@ def _training(rank: int, world: int, directory: str) -> dict:
             ),
         )
     }
+    out["ddp_int8_every3"] = _fit(rank, world, "ddp", {"topk_ratio": 1.0, "bits": 8}, log_every_n_steps=3)
     out.update(
         {
             f"fsdp2_{name}": _fit(rank, world, "fsdp2", kwargs)
@@ -431,6 +435,25 @@ def test_int8_training_tracks_uncompressed_loss(strategy):
         assert row["compression/active"] == 1.0 and row["compression/break_even_gbit_s"] > 0
     # Replicas decode identical bytes, so their parameters stay bit-identical.
     assert torch.equal(results[0][f"{strategy}_int8"]["param"], results[1][f"{strategy}_int8"]["param"])
+
+
+def test_counters_are_logged_when_lightning_logs_as_means_over_the_steps_since():
+    """``log_every_n_steps=3`` over 6 steps: nothing is logged at the first two steps (a Lightning ``log`` per value
+    and step costs more than the codec saves on a fast link), then, at steps 2 and 5, the bytes per step averaged over
+    the 3 steps since the last log, and the ratio of their sums: what the same run logging every step shows, summed
+    (the same bytes: the codec and the data are the same)."""
+    results = _training_results()[0]
+    every_step, every3 = results["ddp_int8"]["metrics"], results["ddp_int8_every3"]["metrics"]
+    assert all("compression/bytes_after" not in row for row in every3[:2]), every3[:2]
+    for last in (2, 5):
+        window = every_step[last - 2 : last + 1]
+        before = sum(row["compression/bytes_before"] for row in window)
+        after = sum(row["compression/bytes_after"] for row in window)
+        # (Lightning keeps logged numbers as float32 tensors: equal to float32's precision)
+        assert every3[last]["compression/bytes_before"] == pytest.approx(before / 3, rel=1e-7)
+        assert every3[last]["compression/bytes_after"] == pytest.approx(after / 3, rel=1e-7)
+        assert every3[last]["compression/ratio"] == pytest.approx(before / after, rel=1e-7)
+    assert every3[2]["compression/encode_ms"] > 0 and every3[2]["compression/active"] == 1.0
 
 
 def test_fsdp2_top1_percent_sends_over_40x_fewer_bytes_after_warmup():

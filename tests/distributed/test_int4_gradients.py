@@ -54,7 +54,9 @@ def _fit(rank: int, world: int, strategy_name: str, codec: dict | None, director
             ModelCheckpoint(dirpath=directory, every_n_train_steps=KILL_AT, save_top_k=-1, filename="{step}")
         )
     strategy = HybridParallelStrategy() if strategy_name == "fsdp2" else "ddp"
-    trainer = quiet_trainer(world, strategy, STEPS, callbacks, enable_checkpointing=directory is not None)
+    trainer = quiet_trainer(
+        world, strategy, STEPS, callbacks, enable_checkpointing=directory is not None, log_every_n_steps=1
+    )
     path = str(Path(directory) / f"step={KILL_AT}.ckpt") if resume else None
     trainer.fit(module, train_dataloaders=StatefulDataLoader(batches, batch_size=None), ckpt_path=path)
     return {
