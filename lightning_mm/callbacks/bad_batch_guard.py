@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
-from lightning_mm.callbacks._common import _all_gather_objects, _local, _world
+from lightning_mm.callbacks._common import _all_gather_objects, _local, _logs_after_this_batch, _world
 from lightning_mm.validation import require_int
 
 __all__ = ["BadBatchError", "BadBatchGuard"]
@@ -206,7 +206,8 @@ class BadBatchGuard(L.Callback):
             self.consecutive_skips += 1
             self.skipped_steps += 1
             self._record(trainer, pl_module, reason, global_loss, median, sorted(set(bad_loss + bad_grads)))
-        pl_module.log("guard/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+        if reason is not None or _logs_after_this_batch(trainer):  # (it changes only on a skip: no log per step)
+            pl_module.log("guard/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
         self._loss_sum, self._loss_count, self._sample_ids = None, 0, []
         if self.consecutive_skips >= self.max_consecutive_skips:
             raise BadBatchError(
