@@ -53,11 +53,20 @@ def _log_rows(
                 pl_module.log(f"{prefix}/{column}", float(value), on_step=True, on_epoch=False, batch_size=1)
 
 
+def _steps_after_this_batch(trainer: L.Trainer) -> bool:
+    """Whether the optimizer steps after the current training batch (False while gradients accumulate)."""
+    return not trainer.fit_loop._should_accumulate()
+
+
 def _logs_after_this_batch(trainer: L.Trainer) -> bool:
-    """Whether Lightning writes the logged metrics after the current training batch (every ``log_every_n_steps``
-    optimizer steps). Lightning's own LearningRateMonitor, DeviceStatsMonitor and ThroughputMonitor ask the same
-    private property before logging; there is no public one."""
-    return bool(trainer._logger_connector.should_update_logs)
+    """Whether Lightning writes the logged metrics after the current training batch: its own rule
+    (``_LoggerConnector.update_train_step_metrics``): on a batch that steps the optimizer (under automatic
+    optimization), every ``log_every_n_steps`` optimizer steps, or always with ``fast_dev_run``. Lightning's
+    LearningRateMonitor, DeviceStatsMonitor and ThroughputMonitor ask the same private properties before they log;
+    there is no public one."""
+    if trainer.lightning_module.automatic_optimization and not _steps_after_this_batch(trainer):
+        return False
+    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

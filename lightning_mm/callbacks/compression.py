@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mm.callbacks._common import _logs_after_this_batch, _rank, _world
+from lightning_mm.callbacks._common import _logs_after_this_batch, _rank, _steps_after_this_batch, _world
 from lightning_mm.parallel.compression import (
     AUTO_MARGIN,
     AUTO_TRIAL_STEPS,
@@ -51,7 +51,8 @@ _STATE_VERSION = 1
 
 @dataclasses.dataclass
 class _Interval:
-    """A ``CommStats`` summed over the optimizer steps since the metrics were last logged."""
+    """A ``CommStats`` summed over the batches since the metrics were last logged (every micro-batch's exchanges
+    under gradient accumulation), and the optimizer steps those batches made."""
 
     stats: CommStats = dataclasses.field(default_factory=CommStats)
     steps: int = 0
@@ -59,8 +60,11 @@ class _Interval:
 
     def add(self, stats: CommStats, exact_backward_bytes: int = 0) -> None:
         self.stats.add(stats)
-        self.steps += 1
         self.exact_backward_bytes += exact_backward_bytes
+
+    @property
+    def exchanged(self) -> bool:
+        return self.stats.calls + self.stats.uncompressed_calls > 0
 
 
 def _default_codec(
@@ -118,7 +122,8 @@ class CompressedAllToAll(pl.Callback):
     ``error_feedback=True`` together with ``targets=("moe",)`` alone is refused (``ValueError``); with
     ``("moe", "grad")`` it acts on the gradients; the default ``error_feedback=None`` means "on for ``"grad"``".
 
-    Logged every optimizer step (this rank's values, under ``compression/``): ``bytes_before`` (what the same
+    Logged when Lightning writes its logs (every ``log_every_n_steps`` optimizer steps; this rank's values, per
+    optimizer step over the steps since the last log, under ``compression/``): ``bytes_before`` (what the same
     collectives move off this rank uncompressed: ``2 (world - 1) / world`` of the gradient bytes for DDP, the
     ring all-reduce volume; ``(world - 1) / world`` for FSDP2's reduce-scatter), ``bytes_after`` (what really
     leaves: payloads with indices, scales, headers, padding and size words), ``ratio``, ``encode_ms``,
@@ -436,19 +441,21 @@ class CompressedAllToAll(pl.Callback):
         # ThroughputMonitor do): a Lightning ``log`` of a Python number costs ~0.5 ms of CPU on this machine (a new
         # tensor, the result collection), and 9 of them every step made ``auto=True``'s plain steps 3 % slower than
         # no callback (benchmarks/compression_time_to_target.py).
-        logs_now = _logs_after_this_batch(trainer)
+        logs_now, steps = _logs_after_this_batch(trainer), _steps_after_this_batch(trainer)
         moe = self.moe_codec.stats
         if self.moe_dispatchers and moe.calls + moe.uncompressed_calls:
             self._moe_interval.add(moe, self.moe_codec.exact_backward_bytes)
             self.moe_codec.reset()
-        if self._moe_interval.steps and logs_now:
-            pl_module.log_dict(self.moe_metrics(), on_step=True, on_epoch=False, batch_size=1)
-            self._moe_interval = _Interval()
         stats = self.state.stats
         if self.registered is not None and stats.calls + stats.uncompressed_calls:
             self._grad_interval.add(stats)
             stats.reset()
-        if self._grad_interval.steps and logs_now:
+        for interval in (self._moe_interval, self._grad_interval):
+            interval.steps += int(steps and interval.exchanged)
+        if self._moe_interval.exchanged and logs_now:
+            pl_module.log_dict(self.moe_metrics(), on_step=True, on_epoch=False, batch_size=1)
+            self._moe_interval = _Interval()
+        if self._grad_interval.exchanged and logs_now:
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
             self._grad_interval = _Interval()
         resets = self.state.feedback.resets + self.state.gather_feedback.resets

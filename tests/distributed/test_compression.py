@@ -335,13 +335,19 @@ class _ResidualsAtStart(L.Callback):
         self.residuals = self.target.state.residual_state()
 
 
-def _trainer(world: int, strategy, steps: int, callbacks: list, log_every_n_steps: int = 1) -> L.Trainer:
+def _trainer(world: int, strategy, steps: int, callbacks: list, log_every_n_steps: int = 1, **overrides) -> L.Trainer:
     # (every step by default: the tests read each step's counters; the callback logs when Lightning logs)
-    return quiet_trainer(world, strategy, steps, callbacks, log_every_n_steps=log_every_n_steps)
+    return quiet_trainer(world, strategy, steps, callbacks, log_every_n_steps=log_every_n_steps, **overrides)
 
 
 def _fit(
-    rank: int, world: int, strategy_name: str, compression: dict | None, steps: int = STEPS, log_every_n_steps: int = 1
+    rank: int,
+    world: int,
+    strategy_name: str,
+    compression: dict | None,
+    steps: int = STEPS,
+    log_every_n_steps: int = 1,
+    accumulate: int = 1,
 ) -> dict:
     from lightning_mm.strategies import HybridParallelStrategy
 
@@ -353,8 +359,9 @@ def _fit(
     # The compression callback first: it logs (and resets its counters) in on_train_batch_end, before _Metrics reads.
     callbacks = ([CompressedAllToAll(**compression)] if compression is not None else []) + [recorder, metrics]
     strategy = HybridParallelStrategy() if strategy_name == "fsdp2" else "ddp"
-    trainer = _trainer(world, strategy, steps, callbacks, log_every_n_steps)
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch] * steps, batch_size=None))
+    trainer = _trainer(world, strategy, steps, callbacks, log_every_n_steps, accumulate_grad_batches=accumulate)
+    loader = torch.utils.data.DataLoader([batch] * steps * accumulate, batch_size=None)
+    trainer.fit(module, train_dataloaders=loader)
     first = next(p for p in module.model.parameters() if p.ndim == 2)
     first = first.full_tensor() if hasattr(first, "full_tensor") else first
     return {"losses": recorder.losses, "metrics": metrics.rows, "param": first.detach().clone()}
@@ -397,6 +404,10 @@ def _training(rank: int, world: int, directory: str) -> dict:
         )
     }
     out["ddp_int8_every3"] = _fit(rank, world, "ddp", {"topk_ratio": 1.0, "bits": 8}, log_every_n_steps=3)
+    for name in ("ddp", "fsdp2"):
+        out[f"{name}_int8_every3_accumulate2"] = _fit(
+            rank, world, name, {"topk_ratio": 1.0, "bits": 8}, log_every_n_steps=3, accumulate=2
+        )
     out.update(
         {
             f"fsdp2_{name}": _fit(rank, world, "fsdp2", kwargs)
@@ -454,6 +465,22 @@ def test_counters_are_logged_when_lightning_logs_as_means_over_the_steps_since()
         assert every3[last]["compression/bytes_after"] == pytest.approx(after / 3, rel=1e-7)
         assert every3[last]["compression/ratio"] == pytest.approx(before / after, rel=1e-7)
     assert every3[2]["compression/encode_ms"] > 0 and every3[2]["compression/active"] == 1.0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_counters_under_gradient_accumulation_are_per_optimizer_step(strategy):
+    """``accumulate_grad_batches=2``, ``log_every_n_steps=3``: written once per 3 optimizer steps (6 micro-batches),
+    never on a micro-batch that only accumulates, with every exchange of those steps counted: DDP syncs on the
+    stepping micro-batch only (the bytes of a step without accumulation), FSDP2 reduce-scatters on both (twice)."""
+    results = _training_results()[0]
+    plain_step = results[f"{strategy}_int8"]["metrics"][2]["compression/bytes_before"]  # (sizes only: every step)
+    rows = results[f"{strategy}_int8_every3_accumulate2"]["metrics"]  # one per micro-batch
+    assert len(rows) == 2 * STEPS
+    written = [i for i, row in enumerate(rows) if "compression/bytes_before" in row]
+    assert written and written[0] == 5, written  # the 3rd optimizer step's stepping micro-batch
+    exchanges_per_step = 1 if strategy == "ddp" else 2
+    assert rows[5]["compression/bytes_before"] == exchanges_per_step * plain_step
+    assert rows[11]["compression/bytes_before"] == exchanges_per_step * plain_step
 
 
 def test_fsdp2_top1_percent_sends_over_40x_fewer_bytes_after_warmup():
