@@ -436,20 +436,18 @@ class CompressedAllToAll(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # The counters of each step that exchanged something are summed, and logged only when Lightning writes its
-        # logs (every ``log_every_n_steps`` optimizer steps, as Lightning's own LearningRateMonitor and
-        # ThroughputMonitor do): a Lightning ``log`` of a Python number costs ~0.5 ms of CPU on this machine (a new
-        # tensor, the result collection), and 9 of them every step made ``auto=True``'s plain steps 3 % slower than
-        # no callback (benchmarks/compression_time_to_target.py).
+        # The counters of every batch are summed, and logged only when Lightning writes its logs (every
+        # ``log_every_n_steps`` optimizer steps, as Lightning's own LearningRateMonitor and ThroughputMonitor do): a
+        # Lightning ``log`` of a Python number costs ~0.5 ms of CPU on this machine (a new tensor, the result
+        # collection), and 9 of them every step made ``auto=True``'s plain steps 3 % slower than no callback
+        # (benchmarks/compression_time_to_target.py, compression_auto_overhead.py).
         logs_now, steps = _logs_after_this_batch(trainer), _steps_after_this_batch(trainer)
-        moe = self.moe_codec.stats
-        if self.moe_dispatchers and moe.calls + moe.uncompressed_calls:
-            self._moe_interval.add(moe, self.moe_codec.exact_backward_bytes)
+        if self.moe_dispatchers:
+            self._moe_interval.add(self.moe_codec.stats, self.moe_codec.exact_backward_bytes)
             self.moe_codec.reset()
-        stats = self.state.stats
-        if self.registered is not None and stats.calls + stats.uncompressed_calls:
-            self._grad_interval.add(stats)
-            stats.reset()
+        if self.registered is not None:
+            self._grad_interval.add(self.state.stats)
+            self.state.stats.reset()
         for interval in (self._moe_interval, self._grad_interval):
             interval.steps += int(steps and interval.exchanged)
         if self._moe_interval.exchanged and logs_now:
