@@ -25,9 +25,11 @@ Per link rate and seed, in this order:
    its seconds reach 4x the unit, or at its ``max_steps`` (the cosine horizon: ``--t2-steps`` for T2).
 
 ``auto`` is not timed to a target: it runs fp32's steps, is scored like fp32 (once, after its last step: no
-evaluation in between that fp32 would not have), and its seconds are compared with fp32's. Neither needs the other,
-so their order alternates with the seed (fp32 first for even seeds, auto first for odd ones): on this machine, whose
-speed drifts by ~10 % over minutes, the one run second is not always the one on a warmer or busier machine.
+evaluation in between that fp32 would not have), and its seconds are compared with fp32's. This machine's speed
+drifts by 5-10 % over minutes, as much as the 5 % in question, so per seed fp32 runs before and after ``auto``
+(``fp32 again``, the same run: A B A) and ``auto`` is compared with the mean of the two, which cancels a linear
+drift; ``fp32 again`` against ``fp32`` is reported as the drift itself. (Without ``fp32 again`` in the methods the
+order of the pair alternates with the seed instead.)
 
 Methods (``compression_convergence.py``'s, plus the automatic choice): ``int4 (T1)`` (INT4 + rotation on FSDP2's
 reduce-scatter), ``T2 H=16`` / ``T2 H=64`` (2 replica groups of one rank, :class:`~lightning_mm.callbacks.ReplicaSync`
@@ -67,9 +69,10 @@ METHODS = {
     **conv.METHODS,
     "fp32 HSDP": ({"data_parallel_replicate": 2, "data_parallel_shard": 1}, None, None, "dp_replicate all-reduce"),
     "auto": ({"data_parallel_shard": 2}, {"auto": True}, None, "dp_shard reduce-scatter"),
+    "fp32 again": conv.METHODS["fp32"],  # fp32 once more after auto (A B A): the drift between runs, measured
 }
 BASELINES = ("fp32", "fp32 HSDP")  # uncompressed: the faster of the two is the unit of time
-SAME_STEPS = ("auto",)  # run the baseline's steps, scored like it, compared by seconds (not timed to a target)
+SAME_STEPS = ("auto", "fp32 again")  # the baseline's steps, scored like it, compared by seconds (not timed to a target)
 SLOW_LINKS = ("100mbit",)  # rates at which the slow-link methods run by default
 PORT = 29611
 
@@ -99,12 +102,17 @@ class _Clock(L.Callback):
         self.stopped_by = "max_steps"
         self.start = self.paused = 0.0
         self._streak: list[dict[str, float]] = []
+        self.step_seconds: list[float] = []  # each optimizer step's training seconds (batch end to batch end)
+        self._last = 0.0
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.start, self.paused = time.perf_counter(), 0.0  # (T2's first broadcast of the parameters is counted)
+        self._last = 0.0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step, seconds = trainer.global_step, time.perf_counter() - self.start - self.paused
+        self.step_seconds.append(seconds - self._last)
+        self._last = seconds
         if step < trainer.max_steps and (self.eval_every is None or step % self.eval_every):
             return
         evaluation_start = time.perf_counter()
@@ -176,9 +184,11 @@ def _run(name: str, seed: int, args: argparse.Namespace, heldout: list, base: di
         "stopped_by": clock.stopped_by,
         "reached": clock.reached,
         "curve": clock.curve,
+        # (after the auto trial's steps and the learning-rate warm-up: the steady state of the method)
+        "median_step_seconds_after_40": statistics.median(clock.step_seconds[40:] or clock.step_seconds),
     }
     if auto is not None:
-        run["auto"] = {"compressed": auto.decision, "measured": dict(auto.measured)}
+        run["auto"] = {"compressed": auto.decision, "measured": dict(auto.measured), "trial": auto.step_seconds}
     return run
 
 
@@ -214,7 +224,7 @@ def _worker(args: argparse.Namespace) -> None:
     for seed in args.seeds:
         base_runs = [done[(m, seed)] for m in baselines if (m, seed) in done]
         order = [m for m in baselines + others if (m, seed) not in done]
-        if seed % 2 and all(m in BASELINES + SAME_STEPS for m in order):
+        if seed % 2 and all(m in BASELINES + SAME_STEPS for m in order) and "fp32 again" not in order:
             order.reverse()  # (nothing in it needs a baseline's target: alternate which side runs first)
         for name in order:
             scored_once = name in BASELINES + SAME_STEPS
@@ -228,7 +238,8 @@ def _worker(args: argparse.Namespace) -> None:
                 when = f"target at {reached['seconds']:.0f} s, step {reached['step']}" if reached else run["stopped_by"]
                 print(
                     f"    {args.rate:8} {name:20} seed {seed}: {run['steps']:5} steps, {run['seconds']:6.1f} s, "
-                    f"held-out {run['final_heldout_loss']:.4f} ({when})",
+                    f"held-out {run['final_heldout_loss']:.4f} ({when}), "
+                    f"median step {1e3 * run['median_step_seconds_after_40']:.1f} ms",
                     flush=True,
                 )
 
@@ -317,10 +328,25 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             row["steps_mean"] = statistics.mean(r["steps"] for r in mine)
         if name == "auto":
             fp32 = {r["seed"]: r for r in runs if r["name"] == "fp32"}
+            again = {r["seed"]: r for r in runs if r["name"] == "fp32 again"}
             row["decisions"] = [r["auto"]["compressed"] for r in mine]
-            # The same steps as fp32 in the same layout (FSDP2), scored alike: seconds against its.
-            row["seconds_vs_fp32"] = [r["seconds"] / fp32[r["seed"]]["seconds"] for r in mine if r["seed"] in fp32]
+            # The same steps as fp32 in the same layout (FSDP2), scored alike: seconds against fp32's, the mean of
+            # its runs before and after auto where both exist (a linear drift of the machine cancels).
+            row["seconds_vs_fp32"] = [
+                r["seconds"] / statistics.mean(x["seconds"] for x in (fp32[r["seed"]], again.get(r["seed"])) if x)
+                for r in mine
+                if r["seed"] in fp32
+            ]
+            row["seconds_vs_first_fp32"] = [
+                r["seconds"] / fp32[r["seed"]]["seconds"] for r in mine if r["seed"] in fp32
+            ]
             row["seconds_vs_fp32_max"] = max(row["seconds_vs_fp32"], default=None)
+        if name == "fp32 again":
+            fp32 = {r["seed"]: r for r in runs if r["name"] == "fp32"}
+            # The same run twice, apart by one auto run: how much the machine alone moves a 1000-step run.
+            row["seconds_vs_first_fp32"] = [
+                r["seconds"] / fp32[r["seed"]]["seconds"] for r in mine if r["seed"] in fp32
+            ]
         table[name] = row
     return table
 
@@ -435,9 +461,9 @@ def main() -> None:
     parser.add_argument(
         "--methods-fast",
         nargs="+",
-        default=["fp32", "auto"],
+        default=["fp32", "auto", "fp32 again"],
         choices=list(METHODS),
-        help="methods at the other rates (auto is compared with fp32: same layout)",
+        help="methods at the other rates (auto is compared with fp32: same layout; run in this order, A B A)",
     )
     parser.add_argument("--steps", type=int, default=1000, help="fp32's steps (and the cosine horizon of T1, auto)")
     parser.add_argument("--t2-steps", type=int, default=4000, help="T2's cosine horizon (it sees half a batch a step)")

@@ -175,8 +175,8 @@ class CompressedAllToAll(pl.Callback):
             (:func:`~lightning_mm.parallel.compression.block_rotation`; ``block_size`` a power of two), the outlier
             care of 4-bit gradient exchange (SDP4Bit); on by default with the default INT4 codec (see above).
         auto: compress only where it pays, measured: after ``warmup_steps`` (and ``sparsity_warmup_steps``),
-            ``AUTO_WARMUP_STEPS`` (2) untimed plain steps, then ``AUTO_TRIAL_STEPS`` (16) optimizer steps, plain and
-            compressed in ABBA order, each timed whole (every micro-batch; an interval holding validation or a
+            optimizer steps plain and compressed in ABBA order: ``AUTO_WARMUP_STEPS`` (4) untimed, then
+            ``AUTO_TRIAL_STEPS`` (32) timed whole (every micro-batch; an interval holding validation or a
             checkpoint save is not counted); compression stays on for the rest of the fit if the slowest rank's
             median compressed step is at least ``AUTO_MARGIN`` (5 %) faster than its median plain one, else the
             exchange stays plain (and the trial's residuals are dropped); rank 0 logs both figures and the choice

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from lightning_mm.callbacks.compression import CompressedAllToAll
 from lightning_mm.models import VLMModule
 from lightning_mm.parallel.compression import (
-    AUTO_TRIAL_STEPS,
     AUTO_WARMUP_STEPS,
+    AutoTrial,
     CodecConfig,
     CommStats,
     compressed_all_gather,
@@ -585,7 +585,10 @@ def _hf_default_results() -> list[dict]:
 
 # --------------------------------------------------------------------------------------------------- auto=True
 
-AUTO_STEPS = AUTO_WARMUP_STEPS + AUTO_TRIAL_STEPS + 3  # untimed plain steps, the trial, 3 after the decision
+TRIAL_STEPS = 8
+"""Timed steps of the trial here: 4 a side, not the default 16 (AUTO_TRIAL_STEPS), since the half second added to
+one side decides alone and each slowed step costs the suite that half second; the untimed ones are the default."""
+AUTO_STEPS = AUTO_WARMUP_STEPS + TRIAL_STEPS + 3  # untimed steps, the trial, 3 after the decision
 
 
 class _SlowSide(L.Callback):
@@ -609,6 +612,7 @@ def _fit_auto(rank: int, world: int, slow_when_compressed: bool) -> dict:
     module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=1e-3)
     batch = shard_batches(random_samples(8, seed=7), 8, rank, world)[0]
     compression, metrics = CompressedAllToAll(auto=True), _Metrics()
+    compression.auto = AutoTrial(steps=TRIAL_STEPS)
     callbacks = [compression, _SlowSide(compression, slow_when_compressed), metrics]
     trainer = _trainer(world, "ddp", AUTO_STEPS, callbacks)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch] * AUTO_STEPS, batch_size=None))
@@ -632,8 +636,9 @@ def _auto_results() -> list[dict]:
 def test_auto_times_both_sides_and_keeps_the_faster(slow_when_compressed):
     results = [result[slow_when_compressed] for result in _auto_results()]
     for result in results:
-        # untimed plain steps, then plain, compressed, compressed, plain, ... (ABBA)
-        trial = [0.0] * AUTO_WARMUP_STEPS + [float(k // 2 % 2) for k in range(1, AUTO_TRIAL_STEPS + 1)]
+        # plain, compressed, compressed, plain, ... (ABBA), untimed first, then timed
+        abba = [float(k // 2 % 2) for k in range(1, max(AUTO_WARMUP_STEPS, TRIAL_STEPS) + 1)]
+        trial = abba[:AUTO_WARMUP_STEPS] + abba[:TRIAL_STEPS]
         decided = 0.0 if slow_when_compressed else 1.0
         assert result["active"] == trial + [decided] * 3, result["active"]
         assert result["decision"] is (not slow_when_compressed)

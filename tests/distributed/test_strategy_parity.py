@@ -82,16 +82,28 @@ META_CONFIGS = ("fsdp2", "fsdp2xtp2")
 """Also run with the module built on the meta device (``trainer.init_module(empty_init=True)``)."""
 
 
-def _trainer(world: int, strategy, callbacks, precision: str = "64-true") -> L.Trainer:
-    return quiet_trainer(world, strategy, STEPS, callbacks, precision=precision, gradient_clip_val=CLIP)
+ACCUMULATE = 2
+"""``hsdp2x1`` also trains with ``accumulate_grad_batches=ACCUMULATE`` against a one-process run that accumulates."""
+
+
+def _trainer(world: int, strategy, callbacks, precision: str = "64-true", accumulate: int = 1) -> L.Trainer:
+    return quiet_trainer(
+        world,
+        strategy,
+        STEPS,
+        callbacks,
+        precision=precision,
+        gradient_clip_val=CLIP,
+        accumulate_grad_batches=accumulate,
+    )
 
 
 def _fit_reference_vlm(
-    rank: int, world: int, kwargs: dict | None, precision: str = "64-true", meta: bool = False
+    rank: int, world: int, kwargs: dict | None, precision: str = "64-true", meta: bool = False, accumulate: int = 1
 ) -> dict:
     """``kwargs=None``: the one-process reference (plain Trainer); else HybridParallelStrategy(**kwargs); ``meta``:
     the module is built inside ``trainer.init_module(empty_init=True)`` (on the meta device, initialised shard by
-    shard after parallelisation)."""
+    shard after parallelisation); ``accumulate``: micro-batches per optimizer step (``STEPS`` steps either way)."""
     L.seed_everything(SEED, verbose=False)
     # compile=True: a block that dynamo gives up on (too many recompilations) would run eagerly and pass unnoticed
     torch._dynamo.config.fail_on_recompile_limit_hit = True
@@ -100,9 +112,10 @@ def _fit_reference_vlm(
     else:
         dims = ParallelDims.from_args(world, **{k: v for k, v in kwargs.items() if k.startswith(("data", "tensor"))})
         strategy, dp_rank, dp_size = HybridParallelStrategy(**kwargs), dims.data_parallel_rank(rank), dims.dp
-    batches = shard_batches(random_samples(GLOBAL_BATCH * STEPS, seed=7), GLOBAL_BATCH, dp_rank, dp_size)
+    samples = random_samples(GLOBAL_BATCH * STEPS * accumulate, seed=7)
+    batches = shard_batches(samples, GLOBAL_BATCH, dp_rank, dp_size)
     recorder, initial = LossRecorder(), InitialWeights()
-    trainer = _trainer(world if kwargs is not None else 1, strategy, [recorder, initial], precision)
+    trainer = _trainer(world if kwargs is not None else 1, strategy, [recorder, initial], precision, accumulate)
     with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
         module = VLMModule(preset="tiny", warmup_steps=1, learning_rate=3e-3)
     assert all(param.is_meta for param in module.parameters()) == meta
@@ -134,12 +147,15 @@ def _run_configs(rank: int, world: int, names: list[str]) -> dict:
     for name in FLOAT32_CONFIGS:
         if name in names:
             results[f"{name}/float32"] = _fit_reference_vlm(rank, world, dict(CONFIGS[name][1]), "32-true")
+    if "hsdp2x1" in names:
+        kwargs = dict(CONFIGS["hsdp2x1"][1])
+        results[f"hsdp2x1/accumulate{ACCUMULATE}"] = _fit_reference_vlm(rank, world, kwargs, accumulate=ACCUMULATE)
     return results
 
 
 @functools.cache
-def _reference(precision: str = "64-true") -> dict:
-    return _fit_reference_vlm(0, 1, None, precision)
+def _reference(precision: str = "64-true", accumulate: int = 1) -> dict:
+    return _fit_reference_vlm(0, 1, None, precision, accumulate=accumulate)
 
 
 @functools.cache
@@ -149,7 +165,7 @@ def _parallel_results(world: int) -> dict:
 
 
 # Time: the first configuration of each world size pays for its cached launch, the later ones take ~0 s: fsdp2 for the
-# 2-rank one (8 fits) and the in-process reference, fsdp2xtp2 for the 4-rank one (3 fits of 5 float64 steps on 4 ranks
+# 2-rank one (9 fits) and the in-process reference, fsdp2xtp2 for the 4-rank one (3 fits of 5 float64 steps on 4 ranks
 # sharing 2 cores). One launch per world size is already the minimum; 5 steps give AdamW and clipping several updates.
 @pytest.mark.parametrize("name", list(CONFIGS) + [f"{name}/meta" for name in META_CONFIGS])
 def test_hybrid_strategy_matches_one_process(name):
@@ -161,7 +177,19 @@ def test_hybrid_strategy_matches_one_process(name):
     if name.endswith("/meta"):
         for param_name, expected in reference["initial"].items():
             torch.testing.assert_close(result["initial"][param_name], expected, rtol=0, atol=0, msg=param_name)
-    assert len(reference["losses"]) == STEPS
+    _assert_matches(result, reference)
+
+
+def test_hsdp_gradient_accumulation_matches_one_process():
+    """``accumulate_grad_batches=2`` on 2 replica groups equals one process accumulating the same micro-batches."""
+    result = _parallel_results(2)[f"hsdp2x1/accumulate{ACCUMULATE}"]
+    _assert_matches(result, _reference(accumulate=ACCUMULATE), micro_batches=ACCUMULATE)
+
+
+def _assert_matches(result: dict, reference: dict, micro_batches: int = 1) -> None:
+    """Losses (one per micro-batch) within LOSS_RTOL, every parameter within PARAM_ATOL and its update within 1e-8
+    relative (in norm) of the one-process run's."""
+    assert len(reference["losses"]) == STEPS * micro_batches
     assert reference["losses"][0] != reference["losses"][-1]  # the reference trains
     torch.testing.assert_close(
         torch.tensor(result["losses"], dtype=torch.float64),

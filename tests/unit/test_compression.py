@@ -524,9 +524,9 @@ def test_auto_trial_runs_abba_times_whole_steps_and_skips_interrupted_intervals(
         if step == 10:
             trial.interrupt()
             times.append(times[-1] + 100.0)
-    # 5, 6: plain, untimed; then 7 plain, 8 and 9 compressed, 10 plain (its interval interrupted: not counted),
-    # 11 plain: 2 + 2 samples at step 12's start, which decides (compressed from there on).
-    assert modes == [False, False, False, True, True, False, False, True, True, True]
+    # 5 plain, 6 compressed, untimed (each side's first use); then 7 plain, 8 and 9 compressed, 10 plain (its
+    # interval interrupted: not counted), 11 plain: 2 + 2 samples at step 12's start, which decides (compressed on).
+    assert modes == [False, True, False, True, True, False, False, True, True, True]
     assert trial.decision is True
     # whole steps (both micro-batches), not the last micro-batch's share
     assert trial.measured == {"plain_seconds": pytest.approx(1.0), "compressed_seconds": pytest.approx(0.6)}

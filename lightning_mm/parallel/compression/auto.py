@@ -11,12 +11,18 @@ import torch.distributed as dist
 
 __all__ = ["AUTO_MARGIN", "AUTO_TRIAL_STEPS", "AUTO_WARMUP_STEPS", "AutoTrial"]
 
-AUTO_WARMUP_STEPS = 2
-"""Plain, untimed steps first: the first steps of a fit are slow for other reasons (DDP rebuilds its buckets after
-the first backward, allocators and lazy initialisation warm up); a trial that timed them measured plain steps 1.5x
-their later cost on the shaped-link benchmark and chose compression where it did not pay."""
-AUTO_TRIAL_STEPS = 16
-"""Optimizer steps timed, alternating plain / compressed (8 each)."""
+AUTO_WARMUP_STEPS = 4
+"""Untimed steps first, plain, compressed, compressed, plain: the first steps of a fit are slow for other reasons (DDP
+rebuilds its buckets after the first backward, allocators and lazy initialisation warm up), and so are the first
+steps of each side (the codec's buffers and rotation matrices are made at its first use). A trial that timed the
+fit's first plain steps measured them at 1.5x their later cost on the shaped-link benchmark and chose compression
+where it did not pay; in one run there the first two compressed steps took 1.2x the later ones' median
+(``benchmarks/compression_time_to_target.py``, 1 Gbit/s)."""
+AUTO_TRIAL_STEPS = 32
+"""Optimizer steps timed, alternating plain / compressed (16 each). Whole steps vary by more than the margin from
+one batch to the next (packed rows of different images and lengths; other work on the machine): with 8 a side, the
+shaped-link benchmark at 1 Gbit/s once measured compression 6 % faster than plain at a rate where its median step
+over 300 steps is 8 % slower."""
 AUTO_MARGIN = 0.05
 """Compression must be this much faster (median step) to be chosen: within the noise, plain is the safe side (no
 codec error, no codec time)."""
@@ -29,11 +35,11 @@ class AutoTrial:
 
     Whole steps are timed (from the first batch start of one optimizer step to the first of the next: compute,
     data, sync, every micro-batch), so the choice includes everything compression changes: bytes on the link, codec
-    time on the compute cores, and the plain collective's own overlap with backward. After ``warmup`` plain,
-    untimed steps, ``steps`` timed ones follow in the order plain, compressed, compressed, plain, plain, ... (ABBA:
-    a drift of the machine's speed, or work that recurs every other step, hits both sides alike). Every rank
-    measures; the slowest rank's medians decide (ranks must agree: a plain rank would run an all-reduce against its
-    peers' compressed exchange), in one collective at a step every rank reaches. Compression is kept when its median
+    time on the compute cores, and the plain collective's own overlap with backward. Steps run in the order plain,
+    compressed, compressed, plain, plain, ... (ABBA: a drift of the machine's speed, or work that recurs every other
+    step, hits both sides alike), the first ``warmup`` untimed (each side's first uses), then ``steps`` timed. Every
+    rank measures; the slowest rank's medians decide (ranks must agree: a plain rank would run an all-reduce against
+    its peers' compressed exchange), in one collective at a step every rank reaches. Compression is kept when its median
     step is at least ``margin`` faster than plain's. Intervals holding validation or a checkpoint save
     (:meth:`interrupt`) are not counted; if ``4 * steps`` steps pass without ``steps / 2`` samples a side, the
     exchange stays plain (the safe side), decided without a collective since every rank counts the same.
@@ -65,6 +71,11 @@ class AutoTrial:
         self._current: tuple[int, float, bool, bool] | None = None  # (step, start, compressed, timed)
         self._interrupted = False
 
+    @property
+    def step_seconds(self) -> dict[str, list[float]]:
+        """This rank's timed steps so far, in the order taken: ``{"plain": [...], "compressed": [...]}``."""
+        return {"plain": list(self._times[False]), "compressed": list(self._times[True])}
+
     def interrupt(self) -> None:
         """Do not count the interval in progress (validation or a checkpoint save ran inside it)."""
         self._interrupted = True
@@ -89,7 +100,8 @@ class AutoTrial:
             return self.decision
         self._seen += 1
         timed = self._seen > self.warmup
-        compressed = timed and (self._seen - self.warmup) // 2 % 2 == 1  # 1: plain, 2, 3: compressed, 4, 5: plain
+        position = self._seen - self.warmup if timed else self._seen  # the warm-up, then the trial: ABBA from 1
+        compressed = position // 2 % 2 == 1  # 1: plain, 2, 3: compressed, 4, 5: plain
         self._current = (step, now, compressed, timed)
         return compressed
 
