@@ -20,9 +20,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mm.callbacks._common import _logs_after_this_batch, _rank, _steps_after_this_batch, _world
 from lightning_mm.parallel.compression import (
-    AUTO_MARGIN,
-    AUTO_TRIAL_STEPS,
-    AUTO_WARMUP_STEPS,
     AutoTrial,
     CodecConfig,
     CommStats,
@@ -420,15 +417,16 @@ class CompressedAllToAll(pl.Callback):
         if not measured:
             rank_zero_warn(
                 f"CompressedAllToAll(auto=True): too many trial steps were interrupted (validation or checkpoints in "
-                f"most of {4 * AUTO_TRIAL_STEPS} steps) to time both sides; the gradient exchange stays plain"
+                f"most of {4 * self.auto.steps} steps after {self.auto.warmup} untimed ones) to time both sides; the "
+                "gradient exchange stays plain"
             )
             return
         plain, compressed = measured["plain_seconds"], measured["compressed_seconds"]
         rank_zero_info(
-            f"CompressedAllToAll(auto=True): over {AUTO_TRIAL_STEPS} optimizer steps (ABBA) after "
-            f"{AUTO_WARMUP_STEPS} untimed ones (slowest rank's medians) a step took {1e3 * plain:.1f} ms with the "
+            f"CompressedAllToAll(auto=True): over {self.auto.steps} optimizer steps (ABBA) after "
+            f"{self.auto.warmup} untimed ones (slowest rank's medians) a step took {1e3 * plain:.1f} ms with the "
             f"plain exchange and {1e3 * compressed:.1f} ms compressed ({100 * (compressed / plain - 1):+.1f} %; "
-            f"compression is kept when at least {100 * AUTO_MARGIN:.0f} % faster): the gradient exchange stays "
+            f"compression is kept when at least {100 * self.auto.margin:.0f} % faster): the gradient exchange stays "
             f"{'compressed' if self.auto.decision else 'plain (compression does not pay on this link and machine)'} "
             "for the rest of this fit"
         )

@@ -585,9 +585,10 @@ def _hf_default_results() -> list[dict]:
 
 # --------------------------------------------------------------------------------------------------- auto=True
 
-TRIAL_STEPS = 8
-"""Timed steps of the trial here: 4 a side, not the default 16 (AUTO_TRIAL_STEPS), since the half second added to
-one side decides alone and each slowed step costs the suite that half second; the untimed ones are the default."""
+TRIAL_STEPS = 16
+"""Timed steps of the trial here: 8 a side (the earlier default), not AUTO_TRIAL_STEPS' 16 a side, since the half
+second added to one side decides alone and each slowed step costs the suite that half second; the untimed ones are
+the default."""
 AUTO_STEPS = AUTO_WARMUP_STEPS + TRIAL_STEPS + 3  # untimed steps, the trial, 3 after the decision
 
 

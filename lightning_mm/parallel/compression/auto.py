@@ -41,8 +41,8 @@ class AutoTrial:
     rank measures; the slowest rank's medians decide (ranks must agree: a plain rank would run an all-reduce against
     its peers' compressed exchange), in one collective at a step every rank reaches. Compression is kept when its median
     step is at least ``margin`` faster than plain's. Intervals holding validation or a checkpoint save
-    (:meth:`interrupt`) are not counted; if ``4 * steps`` steps pass without ``steps / 2`` samples a side, the
-    exchange stays plain (the safe side), decided without a collective since every rank counts the same.
+    (:meth:`interrupt`) are not counted; if ``4 * steps`` steps after the warm-up pass without ``steps / 2`` samples
+    a side, the exchange stays plain (the safe side), decided without a collective since every rank counts the same.
     """
 
     def __init__(
