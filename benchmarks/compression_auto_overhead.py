@@ -33,7 +33,7 @@ from lightning_mm.testing.launch import run_distributed  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compression_auto_overhead.json"
 SIDES = ("plain", "auto", "auto, no logging")
-TIMED_FROM = 40  # optimizer steps: the trial (2 + 16 steps) is over
+TIMED_FROM = 40  # optimizer steps: the trial (AUTO_WARMUP_STEPS + AUTO_TRIAL_STEPS = 36 steps) is over
 
 
 class _Wall(L.Callback):

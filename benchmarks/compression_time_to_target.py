@@ -102,7 +102,7 @@ class _Clock(L.Callback):
         self.stopped_by = "max_steps"
         self.start = self.paused = 0.0
         self._streak: list[dict[str, float]] = []
-        self.step_seconds: list[float] = []  # each optimizer step's training seconds (batch end to batch end)
+        self.step_seconds: list[float] = []  # each training batch's seconds (batch end to batch end)
         self._last = 0.0
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -306,6 +306,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     the mean over seeds only when every seed reached the target (else the mean of lower bounds, named so)."""
     seeds = sorted({r["seed"] for r in runs if r["name"] in BASELINES})
     base = {seed: _base([r for r in runs if r["name"] in BASELINES and r["seed"] == seed]) for seed in seeds}
+    fp32 = {r["seed"]: r for r in runs if r["name"] == "fp32"}
+    again = {r["seed"]: r for r in runs if r["name"] == "fp32 again"}
     table: dict[str, Any] = {}
     for name in METHODS:
         mine = [r for r in runs if r["name"] == name and r["seed"] in base]
@@ -327,9 +329,12 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 for x, r in zip(ratios, mine, strict=True)
             )
             row["steps_mean"] = statistics.mean(r["steps"] for r in mine)
+        if name in ("auto", "fp32 again"):
+            # (fp32 again: the same run twice, apart by one auto run: how much the machine alone moves a 1000-step run)
+            row["seconds_vs_first_fp32"] = [
+                r["seconds"] / fp32[r["seed"]]["seconds"] for r in mine if r["seed"] in fp32
+            ]
         if name == "auto":
-            fp32 = {r["seed"]: r for r in runs if r["name"] == "fp32"}
-            again = {r["seed"]: r for r in runs if r["name"] == "fp32 again"}
             row["decisions"] = [r["auto"]["compressed"] for r in mine]
             # The same steps as fp32 in the same layout (FSDP2), scored alike: seconds against fp32's, the mean of
             # its runs before and after auto where both exist (a linear drift of the machine cancels).
@@ -338,17 +343,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 for r in mine
                 if r["seed"] in fp32
             ]
-            row["seconds_vs_first_fp32"] = [
-                r["seconds"] / fp32[r["seed"]]["seconds"] for r in mine if r["seed"] in fp32
-            ]
             row["fp32_runs_averaged"] = [1 + (r["seed"] in again) for r in mine if r["seed"] in fp32]
             row["seconds_vs_fp32_max"] = max(row["seconds_vs_fp32"], default=None)
-        if name == "fp32 again":
-            fp32 = {r["seed"]: r for r in runs if r["name"] == "fp32"}
-            # The same run twice, apart by one auto run: how much the machine alone moves a 1000-step run.
-            row["seconds_vs_first_fp32"] = [
-                r["seconds"] / fp32[r["seed"]]["seconds"] for r in mine if r["seed"] in fp32
-            ]
         table[name] = row
     return table
 
