@@ -27,7 +27,6 @@ It subclasses Lightning's ``ModelParallelStrategy`` (process launch, devices, pr
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -68,9 +67,6 @@ from lightning_mm.strategies.pipeline_setup import build_pipeline, check_pipelin
 from lightning_mm.strategies.precision import with_mesh_clipping
 
 __all__ = ["HybridParallelStrategy"]
-
-_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, PipelineRunner | None] = weakref.WeakKeyDictionary()
-"""Modules this process parallelized (a second ``fit`` reuses them) and their pipeline runner: not stamped on them."""
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -355,8 +351,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _parallelize(self, module: nn.Module, mp_policy) -> ParallelPlan | None:
         """:meth:`parallelize`; returns the plan applied (None: nothing was applied)."""
-        if module in _PARALLELIZED:
-            self._pipeline = _PARALLELIZED[module]
+        done, runner = pipeline_setup.parallelized(module, self._pipeline)
+        if done:
+            self._pipeline = runner
             return None
         if holds_dtensors(module):
             rank_zero_info(
@@ -370,7 +367,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             plan.check_degrees({"pp": dims.pp, "tp": dims.tp, "ep": dims.ep, "dp": dims.data_parallel_size()})
         if dims.pp_enabled:
             self._pipeline = self._parallelize_pipeline(module, plan, mp_policy)
-            _PARALLELIZED[module] = self._pipeline
+            pipeline_setup.remember_parallelized(module, self._pipeline)
             return plan
         if dims.tp_enabled:
             apply_tensor_parallel(module, dims.get_mesh("tp"), self._require_tp_plan(module, plan))
@@ -386,7 +383,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         fsdp_mesh = self._fsdp_mesh()
         if fsdp_mesh is not None:
             self._apply_fsdp(module, blocks, fsdp_mesh, mp_policy)
-        _PARALLELIZED[module] = None
+        pipeline_setup.remember_parallelized(module, None)
         return plan
 
     def _with_stages(self, module: nn.Module) -> nn.ModuleList:

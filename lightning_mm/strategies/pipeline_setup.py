@@ -13,8 +13,10 @@ Plain functions over what the strategy passes them; the strategy keeps the argum
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -37,7 +39,15 @@ from lightning_mm.parallel.protocol import ParallelPlan, PipelineSpec
 from lightning_mm.parallel.tied import tied_across_stages
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
 
-__all__ = ["build_pipeline", "check_pipeline_precision", "held_model_plan", "pipeline_spec", "pipeline_split"]
+__all__ = [
+    "build_pipeline",
+    "check_pipeline_precision",
+    "held_model_plan",
+    "parallelized",
+    "pipeline_spec",
+    "pipeline_split",
+    "remember_parallelized",
+]
 
 # (the strategy's logger: the stage layout is reported under the name it always had)
 log = logging.getLogger("lightning_mm.strategies.hybrid")
@@ -72,6 +82,50 @@ def held_model_plan(module: nn.Module, microbatches: int, sequence_parallel: boo
     from lightning_mm.models.hf.held import held_model_plan as plan_of_held_model
 
     return plan_of_held_model(module, microbatches=microbatches, sequence_parallel=sequence_parallel)
+
+
+_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, Callable[[], PipelineRunner | None]] = weakref.WeakKeyDictionary()
+"""Modules this process parallelized (a second ``fit`` reuses them; not stamped on them), each with a *weak* reference
+to its pipeline runner (or a function returning None without pipeline parallelism). Weak because the runner holds
+the module (its pipeline's loss and stage builders are the module's own): a strong one made each entry keep its key
+alive, so every pipelined module stayed in memory for the life of the process with its stages, its Trainer and the
+process groups of its mesh. The strategy that split the module holds the runner while it lives."""
+
+
+def _no_runner() -> None:
+    return None
+
+
+def remember_parallelized(module: nn.Module, runner: PipelineRunner | None) -> None:
+    """Record that ``module`` is parallelized, and by which pipeline runner (None: no pipeline parallelism)."""
+    _PARALLELIZED[module] = weakref.ref(runner) if runner is not None else _no_runner
+
+
+def parallelized(module: nn.Module, current: PipelineRunner | None) -> tuple[bool, PipelineRunner | None]:
+    """Whether ``module`` was parallelized in this process, and its pipeline runner (``current``: the asking
+    strategy's own, if it has one).
+
+    A pipelined module asked for by another strategy (a new Trainer) is trained by the runner that split it while
+    that one lives, i.e. while its Trainer is still referenced: decided after a garbage collection, so that a dropped
+    Trainer waiting in a reference cycle does not make the outcome depend on when the collector last ran. With the
+    runner gone the module cannot train again: its layers are cut to this rank's stages.
+    """
+    runner_of = _PARALLELIZED.get(module)
+    if runner_of is None:
+        return False, None
+    if runner_of is _no_runner:
+        return True, None
+    if current is not None and runner_of() is current:
+        return True, current
+    gc.collect()
+    runner = runner_of()
+    if runner is None:
+        raise RuntimeError(
+            f"{type(module).__name__} was split into pipeline stages by a Trainer that no longer exists, and its "
+            "stages' schedules went with it: run it with the Trainer that split it (keep a reference to it), or "
+            "build the module anew (e.g. from the checkpoint) for a new Trainer"
+        )
+    return True, runner
 
 
 def pipeline_spec(

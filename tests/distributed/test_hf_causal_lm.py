@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
+import weakref
 
 import lightning as L
 import pytest
@@ -270,13 +272,17 @@ def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(dp_rank, dp), batch_size=None))
     # (nn.Module.compile keeps the compiled forward here; the unit tests show it goes through dynamo)
     compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
-    return {
+    result = {
         "losses": fit.callbacks[0].losses,
         "params": _params(module),
         "compiled_modules": compiled,
         "head_outputs": sorted(head.kinds),
         "misplaced_gradients": head.misplaced,
     }
+    module_ref = weakref.ref(module)  # dropped by the user, the model goes (stages, process groups and all)
+    del module, fit, strategy, head
+    gc.collect()
+    return result | {"released": module_ref() is None}
 
 
 def strategy_dp(rank: int, world: int, mesh: str) -> tuple[int, int]:
@@ -334,6 +340,7 @@ def test_hf_model_matches_one_process(model, mesh):
     assert len(single["losses"]) == STEPS and single["losses"][-1] < single["losses"][0]
     merged: dict[str, torch.Tensor] = {}
     results = parallel(model, mesh)
+    assert all(r["released"] for r in results)
     if mesh.startswith("pp"):  # each pipeline rank holds only its stage's layers
         assert all(len(r["params"]) < len(exact["params"]) for r in results)
     # compile=True: every rank's decoder layers (under pp: those of its stage) are compiled, nothing else

@@ -14,6 +14,8 @@ Measured (LIGHTNING_MM_TEST_THREADS=1, =2, unset): losses 8.4e-17 relative, para
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 
 import lightning as L
 import pytest
@@ -98,16 +100,23 @@ def _trainer(devices: int, strategy) -> L.Trainer:
     )
 
 
+def _strategy() -> HybridParallelStrategy:
+    return HybridParallelStrategy(pipeline_parallel=2, pipeline_split=SPLIT, pipeline_schedule="1F1B", microbatches=2)
+
+
 def _fit(rank: int, world: int) -> dict:
     L.seed_everything(SEED, verbose=False)
     module = Classifier()
-    strategy = HybridParallelStrategy(
-        pipeline_parallel=2, pipeline_split=SPLIT, pipeline_schedule="1F1B", microbatches=2
-    )
     dp = world // 2
-    trainer = _trainer(world, strategy)
+    trainer = _trainer(world, _strategy())
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_data(rank % dp, dp), batch_size=None))
-    return {"losses": trainer.callbacks[0].losses, "params": {n: full_copy(p) for n, p in module.named_parameters()}}
+    result = {"losses": trainer.callbacks[0].losses, "params": {n: full_copy(p) for n, p in module.named_parameters()}}
+    # Dropped by the user, the pipelined module goes, with its stages, schedules and process groups (the strategy's
+    # registry of parallelized modules once kept every one alive: its pipeline runner holds the module).
+    module_ref = weakref.ref(module)
+    del module, trainer
+    gc.collect()
+    return result | {"released": module_ref() is None}
 
 
 @functools.cache
@@ -127,6 +136,7 @@ def _reference() -> dict:
 @pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2_dp2"])
 def test_user_module_pipeline_matches_one_process(world):
     results, reference = _parallel(world), _reference()
+    assert all(result["released"] for result in results)
     assert len(reference["losses"]) == STEPS and reference["losses"][0] != reference["losses"][-1]
     for result in results:
         torch.testing.assert_close(
@@ -163,3 +173,30 @@ def test_module_without_pipeline_loss_is_refused_naming_it():
     auto = HybridParallelStrategy(pipeline_parallel=2)
     with pytest.raises(ValueError, match="pipeline_split="):
         auto._pipeline_spec(Classifier(), auto.parallel_plan(Classifier()))
+
+
+def _train_again(rank: int, world: int) -> dict:
+    """A pipelined module trained by a second Trainer: while the first is referenced, with the first one's stages; once
+    it is gone, refused (the module's layers are cut to this rank's stages)."""
+    module = Classifier()
+    loader = torch.utils.data.DataLoader(_data(0, 1), batch_size=None)
+    first = _trainer(world, _strategy())
+    first.fit(module, train_dataloaders=loader)
+    before = full_copy(module.trunk.stem.weight) if rank == 0 else None
+    second = _trainer(world, _strategy())  # (a new Trainer: its steps count from 0)
+    second.fit(module, train_dataloaders=loader)
+    trained_again = rank != 0 or not torch.equal(before, full_copy(module.trunk.stem.weight))
+    same_runner = second.strategy.pipeline is first.strategy.pipeline
+    del first, second
+    try:
+        _trainer(world, _strategy()).fit(module, train_dataloaders=loader)
+        refusal = None
+    except RuntimeError as error:
+        refusal = str(error)
+    return {"trained_again": trained_again, "same_runner": same_runner, "refusal": refusal}
+
+
+def test_second_trainer_reuses_the_stages_while_the_first_lives_and_is_refused_after():
+    for result in run_distributed(_train_again, 2, timeout=300):
+        assert result["trained_again"] and result["same_runner"]
+        assert result["refusal"] is not None and "by a Trainer that no longer exists" in result["refusal"]
