@@ -351,7 +351,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _parallelize(self, module: nn.Module, mp_policy) -> ParallelPlan | None:
         """:meth:`parallelize`; returns the plan applied (None: nothing was applied)."""
-        done, runner = pipeline_setup.parallelized(module, self._pipeline)
+        done, runner = pipeline_setup.parallelized(module)
         if done:
             self._pipeline = runner
             return None

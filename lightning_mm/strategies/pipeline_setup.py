@@ -13,7 +13,6 @@ Plain functions over what the strategy passes them; the strategy keeps the argum
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import weakref
@@ -85,11 +84,11 @@ def held_model_plan(module: nn.Module, microbatches: int, sequence_parallel: boo
 
 
 _PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, Callable[[], PipelineRunner | None]] = weakref.WeakKeyDictionary()
-"""Modules this process parallelized (a second ``fit`` reuses them; not stamped on them), each with a *weak* reference
-to its pipeline runner (or a function returning None without pipeline parallelism). Weak because the runner holds
-the module (its pipeline's loss and stage builders are the module's own): a strong one made each entry keep its key
-alive, so every pipelined module stayed in memory for the life of the process with its stages, its Trainer and the
-process groups of its mesh. The strategy that split the module holds the runner while it lives."""
+"""Modules this process parallelized (a second Trainer reuses them), each with a *weak* reference to its pipeline
+runner (or a function returning None without pipeline parallelism). Weak, because the runner holds its module (the
+pipeline's loss and stage builders are the module's own): a registry holding it made each entry keep its key alive,
+so every pipelined module stayed in memory for the life of the process, with its stages, its Trainer and the process
+groups of its mesh. The module itself holds its runner (:func:`remember_parallelized`)."""
 
 
 def _no_runner() -> None:
@@ -97,33 +96,37 @@ def _no_runner() -> None:
 
 
 def remember_parallelized(module: nn.Module, runner: PipelineRunner | None) -> None:
-    """Record that ``module`` is parallelized, and by which pipeline runner (None: no pipeline parallelism)."""
-    _PARALLELIZED[module] = weakref.ref(runner) if runner is not None else _no_runner
+    """Record that ``module`` is parallelized, and by which pipeline runner (None: no pipeline parallelism).
 
-
-def parallelized(module: nn.Module, current: PipelineRunner | None) -> tuple[bool, PipelineRunner | None]:
-    """Whether ``module`` was parallelized in this process, and its pipeline runner (``current``: the asking
-    strategy's own, if it has one).
-
-    A pipelined module asked for by another strategy (a new Trainer) is trained by the runner that split it while
-    that one lives, i.e. while its Trainer is still referenced: decided after a garbage collection, so that a dropped
-    Trainer waiting in a reference cycle does not make the outcome depend on when the collector last ran. With the
-    runner gone the module cannot train again: its layers are cut to this rank's stages.
+    The module holds its runner through a forward pre-hook that does nothing else, as torch's composable APIs keep
+    their per-module state (``fully_shard``: the module's hooks own it, a registry refers to it weakly,
+    https://github.com/pytorch/pytorch/blob/v2.9.0/torch/distributed/_composable_state.py): the runner lives
+    exactly as long as the module, whichever Trainer split it (``Trainer(...).fit(module)`` and then a new
+    Trainer's ``validate(module)`` reuse the stages), and the two are freed together. The hook is a function, which
+    ``copy.deepcopy`` shares instead of copying.
     """
+    if runner is None:
+        _PARALLELIZED[module] = _no_runner
+        return
+
+    def holds_pipeline_runner(_module: nn.Module, _args: tuple, _runner: PipelineRunner = runner) -> None:
+        """Keeps this module's pipeline stages alive with it; does nothing when the module is called."""
+
+    module.register_forward_pre_hook(holds_pipeline_runner)
+    _PARALLELIZED[module] = weakref.ref(runner)
+
+
+def parallelized(module: nn.Module) -> tuple[bool, PipelineRunner | None]:
+    """Whether ``module`` was parallelized in this process, and its pipeline runner (None without pipeline
+    parallelism)."""
     runner_of = _PARALLELIZED.get(module)
     if runner_of is None:
         return False, None
-    if runner_of is _no_runner:
-        return True, None
-    if current is not None and runner_of() is current:
-        return True, current
-    gc.collect()
     runner = runner_of()
-    if runner is None:
+    if runner is None and runner_of is not _no_runner:
         raise RuntimeError(
-            f"{type(module).__name__} was split into pipeline stages by a Trainer that no longer exists, and its "
-            "stages' schedules went with it: run it with the Trainer that split it (keep a reference to it), or "
-            "build the module anew (e.g. from the checkpoint) for a new Trainer"
+            f"{type(module).__name__} was split into pipeline stages, and they are gone (its forward pre-hooks were "
+            "removed): build the module anew (e.g. from the checkpoint)"
         )
     return True, runner
 
