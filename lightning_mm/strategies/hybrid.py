@@ -351,7 +351,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _parallelize(self, module: nn.Module, mp_policy) -> ParallelPlan | None:
         """:meth:`parallelize`; returns the plan applied (None: nothing was applied)."""
-        done, runner = pipeline_setup.parallelized(module)
+        dims = self.parallel_dims
+        done, runner = pipeline_setup.parallelized(module, dims.pp, self.pipeline_schedule, self._microbatches())
         if done:
             self._pipeline = runner
             return None
@@ -361,7 +362,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "the strategy applies no plan (nor activation_checkpointing / compile: apply them there too)"
             )
             return None
-        dims = self.parallel_dims
         plan = self.parallel_plan(module)
         if plan.check_degrees is not None:
             plan.check_degrees({"pp": dims.pp, "tp": dims.tp, "ep": dims.ep, "dp": dims.data_parallel_size()})

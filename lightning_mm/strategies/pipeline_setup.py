@@ -87,38 +87,49 @@ _PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, Callable[[], PipelineRunner 
 """Modules this process parallelized (a second Trainer reuses them), each with a *weak* reference to its pipeline
 runner (or a function returning None without pipeline parallelism). Weak, because the runner holds its module (the
 pipeline's loss and stage builders are the module's own): a registry holding it made each entry keep its key alive,
-so every pipelined module stayed in memory for the life of the process, with its stages, its Trainer and the process
-groups of its mesh. The module itself holds its runner (:func:`remember_parallelized`)."""
+so every pipelined module stayed in memory for the life of the process, with its stages, its Trainer and the meshes
+of its process groups. The module itself holds its runner (:class:`_HoldsPipelineRunner`)."""
 
 
 def _no_runner() -> None:
     return None
 
 
-def remember_parallelized(module: nn.Module, runner: PipelineRunner | None) -> None:
-    """Record that ``module`` is parallelized, and by which pipeline runner (None: no pipeline parallelism).
+class _HoldsPipelineRunner:
+    """A forward pre-hook that does nothing when the module runs: it is how a pipelined module holds its runner, so
+    that the two live exactly as long as each other, whichever Trainer split the module.
 
-    The module holds its runner through a forward pre-hook that does nothing else, as torch's composable APIs keep
-    their per-module state (``fully_shard``: the module's hooks own it, a registry refers to it weakly,
-    https://github.com/pytorch/pytorch/blob/v2.9.0/torch/distributed/_composable_state.py): the runner lives
-    exactly as long as the module, whichever Trainer split it (``Trainer(...).fit(module)`` and then a new
-    Trainer's ``validate(module)`` reuse the stages), and the two are freed together. The hook is a function, which
-    ``copy.deepcopy`` shares instead of copying.
+    torch keeps the state of its composable APIs the same two ways: a registry refers to it weakly
+    (``_module_state_mapping``, https://github.com/pytorch/pytorch/blob/v2.9.0/torch/distributed/_composable_state.py)
+    and the module holds it (``contract()`` stores it in the module's ``__dict__``,
+    https://github.com/pytorch/pytorch/blob/v2.9.0/torch/distributed/_composable/contract.py); a hook holds it here,
+    without an attribute on the user's module. A pickled or deep-copied module carries a hook that holds nothing:
+    the copy does not keep the original's stages alive, and pickling does not meet the runner's process groups.
     """
+
+    def __init__(self, runner: PipelineRunner | None) -> None:
+        self.runner = runner
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (_HoldsPipelineRunner, (None,))
+
+
+def remember_parallelized(module: nn.Module, runner: PipelineRunner | None) -> None:
+    """Record that ``module`` is parallelized, and by which pipeline runner (None: no pipeline parallelism)."""
     if runner is None:
         _PARALLELIZED[module] = _no_runner
         return
-
-    def holds_pipeline_runner(_module: nn.Module, _args: tuple, _runner: PipelineRunner = runner) -> None:
-        """Keeps this module's pipeline stages alive with it; does nothing when the module is called."""
-
-    module.register_forward_pre_hook(holds_pipeline_runner)
+    module.register_forward_pre_hook(_HoldsPipelineRunner(runner))
     _PARALLELIZED[module] = weakref.ref(runner)
 
 
-def parallelized(module: nn.Module) -> tuple[bool, PipelineRunner | None]:
+def parallelized(module: nn.Module, pp: int, schedule: str, microbatches: int) -> tuple[bool, PipelineRunner | None]:
     """Whether ``module`` was parallelized in this process, and its pipeline runner (None without pipeline
-    parallelism)."""
+    parallelism). A strategy asking for another pipeline (``pp`` stages, ``schedule``, ``microbatches``) than the
+    one the module was split into is refused: the module holds the stages it was cut into."""
     runner_of = _PARALLELIZED.get(module)
     if runner_of is None:
         return False, None
@@ -128,6 +139,16 @@ def parallelized(module: nn.Module) -> tuple[bool, PipelineRunner | None]:
             f"{type(module).__name__} was split into pipeline stages, and they are gone (its forward pre-hooks were "
             "removed): build the module anew (e.g. from the checkpoint)"
         )
+    if runner is not None:
+        had = {"pipeline_parallel": runner.pp_size, "pipeline_schedule": runner.schedule_name}
+        had["microbatches"] = runner.microbatches
+        asked = {"pipeline_parallel": pp, "pipeline_schedule": schedule, "microbatches": microbatches}
+        if had != asked:
+            raise ValueError(
+                f"{type(module).__name__} is already split into pipeline stages with {had}; this strategy asks for "
+                f"{asked}: give the Trainer the same pipeline arguments, or build the module anew (e.g. from the "
+                "checkpoint)"
+            )
     return True, runner
 
 

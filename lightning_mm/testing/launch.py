@@ -391,7 +391,8 @@ def _rank_main(rank: int, world_size: int, tasks, results, preload: list[str]) -
     # What the imports built lives as long as the rank: moved out of the collector's reach, so that the garbage
     # collections after every launch (_ProcessState.leftovers) visit only what launches created. Each visited the
     # ~450,000 objects of torch, Lightning and transformers, 0.2-0.5 s per rank and launch (a fifth of the ranks'
-    # CPU in the HF parity tests). No DeviceMesh exists yet, so _release_dead_meshes still sees every one.
+    # CPU in the HF parity tests). Once, before the first launch: whatever a launch creates (a DeviceMesh that
+    # _release_dead_meshes must find in gc.get_objects(), a DataLoader's worker cycle) stays collectable.
     gc.freeze()
     parent = os.getppid()
     while True:

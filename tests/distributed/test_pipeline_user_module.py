@@ -177,10 +177,15 @@ def test_module_without_pipeline_loss_is_refused_naming_it():
 
 class _CollectOnSetup(L.Callback):
     """A garbage collection once the module is attached to this Trainer, before the strategy sets it up: the previous
-    Trainer, dropped, goes here if nothing else holds it."""
+    Trainer (``previous``, dropped) goes here; whether it went is recorded."""
+
+    def __init__(self, previous: weakref.ref) -> None:
+        self.previous = previous
+        self.previous_collected: bool | None = None
 
     def setup(self, trainer, pl_module, stage) -> None:
         gc.collect()
+        self.previous_collected = self.previous() is None
 
 
 def _train_again(rank: int, world: int) -> dict:
@@ -190,18 +195,31 @@ def _train_again(rank: int, world: int) -> dict:
     loader = torch.utils.data.DataLoader(_data(0, 1), batch_size=None)
     first = _trainer(world, _strategy())
     first.fit(module, train_dataloaders=loader)
-    first_runner = weakref.ref(first.strategy.pipeline)
-    del first
-    gc.collect()
+    first_runner, first = weakref.ref(first.strategy.pipeline), weakref.ref(first)
     before = {name: full_copy(param) for name, param in module.named_parameters()}
     second = _trainer(world, _strategy())  # (a new Trainer: its steps count from 0)
-    second.callbacks.append(_CollectOnSetup())
+    collect = _CollectOnSetup(first)
+    second.callbacks.append(collect)
     second.fit(module, train_dataloaders=loader)
     moved = [name for name, param in module.named_parameters() if not torch.equal(before[name], full_copy(param))]
-    return {"moved": moved, "before": sorted(before), "same_runner": second.strategy.pipeline is first_runner()}
+    same_runner = second.strategy.pipeline is first_runner()
+    mismatch = None
+    try:  # a strategy asking for another pipeline than the one the module was cut into
+        other = HybridParallelStrategy(pipeline_parallel=2, pipeline_split=SPLIT, microbatches=1)
+        _trainer(world, other).fit(module, train_dataloaders=loader)
+    except ValueError as error:
+        mismatch = str(error)
+    return {
+        "moved": moved,
+        "before": sorted(before),
+        "same_runner": same_runner,
+        "first_collected": collect.previous_collected,
+        "mismatch": mismatch,
+    }
 
 
-def test_second_trainer_trains_the_stages_the_first_one_split():
+def test_second_trainer_trains_the_stages_the_first_one_split_and_refuses_another_pipeline():
     for result in run_distributed(_train_again, 2, timeout=300):
-        assert result["same_runner"]
+        assert result["first_collected"] and result["same_runner"]
+        assert "'microbatches': 2" in result["mismatch"] and "'microbatches': 1" in result["mismatch"]
         assert result["before"] and sorted(result["moved"]) == result["before"]  # every parameter of the stage trained

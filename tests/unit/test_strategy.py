@@ -6,7 +6,11 @@ a ``fit`` that must fail with the expected message, and the spawn returns the me
 
 from __future__ import annotations
 
+import copy
 import functools
+import gc
+import pickle
+import weakref
 
 import lightning as L
 import pytest
@@ -14,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_mm.models import VLMModule
-from lightning_mm.strategies import HybridParallelStrategy
+from lightning_mm.strategies import HybridParallelStrategy, pipeline_setup
 from tests.helpers import random_samples, run_distributed, shard_batches
 
 
@@ -122,3 +126,30 @@ def _messages() -> dict[str, str]:
 def test_errors_name_the_fix(case, expected):
     assert _messages()[case] != "no error"
     assert __import__("re").search(expected, _messages()[case]), _messages()[case]
+
+
+def test_a_pipelined_module_holds_its_runner_and_copies_hold_nothing():
+    """The module owns its pipeline runner (a do-nothing forward pre-hook; the registry refers to it weakly): they
+    are freed together, and a pickled or deep-copied module carries a hook that holds nothing."""
+
+    class Runner:  # what the registry checks of a PipelineRunner
+        pp_size, schedule_name, microbatches = 2, "1F1B", 4
+
+    module, runner = torch.nn.Linear(2, 2), Runner()
+    pipeline_setup.remember_parallelized(module, runner)
+    assert pipeline_setup.parallelized(module, 2, "1F1B", 4) == (True, runner)
+    with pytest.raises(ValueError, match="'microbatches': 4.*'microbatches': 8"):
+        pipeline_setup.parallelized(module, 2, "1F1B", 8)
+    for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        (hook,) = copied._forward_pre_hooks.values()
+        assert hook.runner is None
+        assert pipeline_setup.parallelized(copied, 2, "1F1B", 4) == (False, None)
+    x = torch.ones(1, 2)
+    assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias))  # the hook does nothing
+    runner_ref = weakref.ref(runner)
+    del runner
+    gc.collect()
+    assert runner_ref() is not None  # held by the module alone
+    del module
+    gc.collect()
+    assert runner_ref() is None
