@@ -12,10 +12,13 @@ lightning-mm plan --preset small --devices 8 --memory-gb 80 --devices-per-node 8
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import netrc
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +132,27 @@ def configure_wandb_mode(environ: dict[str, str] = os.environ) -> str:
     return mode
 
 
+@contextlib.contextmanager
+def _imports_kept_out_of_collections() -> Iterator[None]:
+    """Import Lightning and the models without garbage collections, then move what the imports built out of the
+    collector's reach (``gc.freeze``), as it lives as long as the process.
+
+    Why: imports build hundreds of thousands of long-lived objects, and every full collection of the run (during the
+    imports, and each one the training loop's allocations trigger) visited them all again. Measured on
+    ``examples/configs/tiny.yaml`` (2 CPU cores): 7 full collections took 0.76 s of a 6.3 s ``fit``; with the
+    imports frozen, 3 took 0.06-0.08 s in all and the ``fit`` 5.0-5.4 s. Only import-time objects are frozen; what
+    the run creates later is collected as before. Collection is restored as it was.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
+
+
 def main(argv: list[str] | None = None) -> None:
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -138,7 +162,9 @@ def main(argv: list[str] | None = None) -> None:
         print(_overview())
         raise SystemExit(0)
     configure_wandb_mode()
-    from lightning_mm.trainer_cli import LightningMMCLI
+    # (the process's own run only: a caller's process keeps its collector, and garbage it has not collected yet)
+    with _imports_kept_out_of_collections() if from_command_line else contextlib.nullcontext():
+        from lightning_mm.trainer_cli import LightningMMCLI
 
     LightningMMCLI(
         # None when the arguments are the process's own: LightningCLI then reads sys.argv itself and does not warn

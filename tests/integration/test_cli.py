@@ -3,6 +3,7 @@ classes and with a user's own LightningModule / DataModule by class path."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -218,6 +219,20 @@ def test_console_script_help_lists_subcommands():
     ).stdout
     for word in ("fit", "validate", "test", "make-shards"):
         assert word in out
+
+
+def test_command_line_imports_are_frozen_and_collection_restored():
+    """``lightning-mm fit`` imports Lightning with the collector off, then freezes what the imports built."""
+    from lightning_mm import cli
+
+    gc.collect()  # (earlier tests' garbage is not frozen with the rest)
+    frozen_before = gc.get_freeze_count()
+    try:
+        with cli._imports_kept_out_of_collections():
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() > frozen_before
+    finally:
+        gc.unfreeze()
 
 
 def test_make_shards_subcommand_is_wired(tmp_path):
