@@ -376,6 +376,7 @@ def _rank_main(rank: int, world_size: int, tasks, results, preload: list[str]) -
     # Imported with this rank's variables (Lightning's rank_zero_only reads RANK at import) and before the state
     # is captured, so that the filters and loggers those imports install are part of what every launch starts with.
     os.environ.update(_rank_environment(rank, world_size, port=0))
+    gc.disable()  # the imports build only what lives as long as the rank: no collection visits it (frozen below)
     for name in preload:
         try:
             importlib.import_module(name)
@@ -394,6 +395,7 @@ def _rank_main(rank: int, world_size: int, tasks, results, preload: list[str]) -
     # CPU in the HF parity tests). Once, before the first launch: whatever a launch creates (a DeviceMesh that
     # _release_dead_meshes must find in gc.get_objects(), a DataLoader's worker cycle) stays collectable.
     gc.freeze()
+    gc.enable()
     parent = os.getppid()
     while True:
         try:
