@@ -209,6 +209,7 @@ class _ProcessState:
         self.deterministic = torch.are_deterministic_algorithms_enabled()
         self.deterministic_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
         self.matmul_precision = torch.get_float32_matmul_precision()
+        self.gc = (gc.isenabled(), gc.get_threshold())
         self.warning_filters = list(warnings.filters)
         signums = [getattr(signal, name) for name in self._SIGNALS if hasattr(signal, name)]
         self.handlers = {signum: signal.getsignal(signum) for signum in signums}
@@ -233,6 +234,9 @@ class _ProcessState:
         torch.set_anomaly_enabled(self.anomaly)
         torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
         torch.set_float32_matmul_precision(self.matmul_precision)
+        gc_enabled, gc_threshold = self.gc
+        gc.set_threshold(*gc_threshold)
+        (gc.enable if gc_enabled else gc.disable)()
         warnings.filters[:] = self.warning_filters
         getattr(warnings, "_filters_mutated", lambda: None)()  # forget the "once" registries the launch filled
         for signum, handler in self.handlers.items():
@@ -388,14 +392,16 @@ def _rank_main(rank: int, world_size: int, tasks, results, preload: list[str]) -
         import tqdm
 
         tqdm.tqdm.monitor_interval = 0
-    initial = _ProcessState()
     # What the imports built lives as long as the rank: moved out of the collector's reach, so that the garbage
     # collections after every launch (_ProcessState.leftovers) visit only what launches created. Each visited the
     # ~450,000 objects of torch, Lightning and transformers, 0.2-0.5 s per rank and launch (a fifth of the ranks'
     # CPU in the HF parity tests). Once, before the first launch: whatever a launch creates (a DeviceMesh that
-    # _release_dead_meshes must find in gc.get_objects(), a DataLoader's worker cycle) stays collectable.
+    # _release_dead_meshes must find in gc.get_objects(), a DataLoader's worker cycle) stays collectable. The
+    # imports' own garbage (a failed import's frames) is collected first, not frozen with the rest.
+    gc.collect()
     gc.freeze()
     gc.enable()
+    initial = _ProcessState()
     parent = os.getppid()
     while True:
         try:

@@ -279,7 +279,7 @@ def _fit(rank: int, world: int, model: str, mesh: str, precision: str) -> dict:
         "head_outputs": sorted(head.kinds),
         "misplaced_gradients": head.misplaced,
     }
-    module_ref = weakref.ref(module)  # dropped by the user, the model goes (stages, process groups and all)
+    module_ref = weakref.ref(module)  # dropped by the user, the model goes (its pipeline stages too)
     del module, fit, strategy, head
     gc.collect()
     return result | {"released": module_ref() is None}

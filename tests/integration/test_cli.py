@@ -15,6 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import WandbLogger
 
+from lightning_mm import cli
 from lightning_mm.checkpoint import read_topology
 from lightning_mm.cli import LightningMMCLI, configure_wandb_mode, main
 from lightning_mm.datamodules import ImageTextWebDataModule, SimpleImageTextDataModule
@@ -221,18 +222,28 @@ def test_console_script_help_lists_subcommands():
         assert word in out
 
 
-def test_command_line_imports_are_frozen_and_collection_restored():
-    """``lightning-mm fit`` imports Lightning with the collector off, then freezes what the imports built."""
-    from lightning_mm import cli
+def test_command_line_imports_are_frozen_and_collection_restored(monkeypatch):
+    """``lightning-mm fit`` as the process's own command imports Lightning with the collector off and freezes what the
+    imports built; called with arguments (a caller's process), it leaves the collector alone."""
+    from lightning_mm import trainer_cli
 
+    runs = []
+    monkeypatch.setattr(trainer_cli, "LightningMMCLI", lambda **kwargs: runs.append(kwargs))
     gc.collect()  # (earlier tests' garbage is not frozen with the rest)
     frozen_before = gc.get_freeze_count()
     try:
-        with cli._imports_kept_out_of_collections():
-            assert not gc.isenabled()
-        assert gc.isenabled() and gc.get_freeze_count() > frozen_before
+        main(["fit", "--print_config"])
+        assert gc.get_freeze_count() == frozen_before and gc.isenabled()
+        monkeypatch.setattr(sys, "argv", ["lightning-mm", "fit", "--print_config"])
+        main()
+        assert gc.get_freeze_count() > frozen_before and gc.isenabled()
+        assert [run["args"] for run in runs] == [["fit", "--print_config"], None]
+        with pytest.raises(RuntimeError), cli._imports_kept_out_of_collections():
+            raise RuntimeError("an import failed")
+        assert gc.isenabled()
     finally:
-        gc.unfreeze()
+        if frozen_before == 0:  # (a session that froze objects itself keeps them frozen)
+            gc.unfreeze()
 
 
 def test_make_shards_subcommand_is_wired(tmp_path):
