@@ -13,14 +13,14 @@ lightning-mm plan --preset small --devices 8 --memory-gb 80 --devices-per-node 8
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import netrc
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from lightning_mm._collection import imports_kept_out_of_collections
 
 if TYPE_CHECKING:
     from lightning_mm.trainer_cli import (
@@ -132,30 +132,6 @@ def configure_wandb_mode(environ: dict[str, str] = os.environ) -> str:
     return mode
 
 
-@contextlib.contextmanager
-def _imports_kept_out_of_collections() -> Iterator[None]:
-    """Import Lightning and the models without garbage collections, then collect once and move everything alive out
-    of the collector's reach (``gc.freeze``): what the imports built lives as long as the process.
-
-    Why: imports build hundreds of thousands of long-lived objects, and every full collection of the run (during the
-    imports, and each one the training loop's allocations trigger) visited them all again. Measured on
-    ``examples/configs/tiny.yaml`` (2 CPU cores, single runs): full collections took 0.76 s of a 6.3 s ``fit``
-    without this, 0.06-0.08 s with it. What the run creates later is collected as before; collection is restored
-    as it was. Everything alive at the freeze is kept for good: ``main()`` does this only as the process's own
-    command (``argv=None``: the console script, ``python -m``, the processes torchrun and Lightning's launcher
-    start), so a script calling ``main()`` itself with ``argv=None`` freezes its own objects too.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.collect()  # (the imports' own garbage, e.g. a failed optional import's frames, is not frozen)
-        gc.freeze()
-        if was_enabled:
-            gc.enable()
-
-
 def main(argv: list[str] | None = None) -> None:
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -166,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0)
     configure_wandb_mode()
     # (the process's own run only: a caller's process keeps its collector, and garbage it has not collected yet)
-    with _imports_kept_out_of_collections() if from_command_line else contextlib.nullcontext():
+    with imports_kept_out_of_collections() if from_command_line else contextlib.nullcontext():
         from lightning_mm.trainer_cli import LightningMMCLI
 
     LightningMMCLI(

@@ -83,16 +83,12 @@ def held_model_plan(module: nn.Module, microbatches: int, sequence_parallel: boo
     return plan_of_held_model(module, microbatches=microbatches, sequence_parallel=sequence_parallel)
 
 
-_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, Callable[[], PipelineRunner | None]] = weakref.WeakKeyDictionary()
+_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[PipelineRunner] | None] = weakref.WeakKeyDictionary()
 """Modules this process parallelized (a second Trainer reuses them), each with a *weak* reference to its pipeline
-runner (or a function returning None without pipeline parallelism). Weak, because the runner holds its module (the
+runner (None without pipeline parallelism). Weak, because the runner holds its module (the
 pipeline's loss and stage builders are the module's own): a registry holding it made each entry keep its key alive,
 so every pipelined module stayed in memory for the life of the process, with its stages, its Trainer and the meshes
 of its process groups. The module itself holds its runner (:class:`_HoldsPipelineRunner`)."""
-
-
-def _no_runner() -> None:
-    return None
 
 
 class _HoldsPipelineRunner:
@@ -119,36 +115,38 @@ class _HoldsPipelineRunner:
 
 def remember_parallelized(module: nn.Module, runner: PipelineRunner | None) -> None:
     """Record that ``module`` is parallelized, and by which pipeline runner (None: no pipeline parallelism)."""
-    if runner is None:
-        _PARALLELIZED[module] = _no_runner
-        return
-    module.register_forward_pre_hook(_HoldsPipelineRunner(runner))
-    _PARALLELIZED[module] = weakref.ref(runner)
+    if runner is not None:
+        module.register_forward_pre_hook(_HoldsPipelineRunner(runner))
+    _PARALLELIZED[module] = weakref.ref(runner) if runner is not None else None
 
 
 def parallelized(module: nn.Module, pp: int, schedule: str, microbatches: int) -> tuple[bool, PipelineRunner | None]:
     """Whether ``module`` was parallelized in this process, and its pipeline runner (None without pipeline
     parallelism). A strategy asking for another pipeline (``pp`` stages, ``schedule``, ``microbatches``) than the
     one the module was split into is refused: the module holds the stages it was cut into."""
-    runner_of = _PARALLELIZED.get(module)
-    if runner_of is None:
+    if module not in _PARALLELIZED:
         return False, None
+    runner_of = _PARALLELIZED[module]
+    if runner_of is None:
+        return True, None
     runner = runner_of()
-    if runner is None and runner_of is not _no_runner:
+    if runner is None:
         raise RuntimeError(
             f"{type(module).__name__} was split into pipeline stages, and they are gone (its forward pre-hooks were "
             "removed): build the module anew (e.g. from the checkpoint)"
         )
-    if runner is not None:
-        had = {"pipeline_parallel": runner.pp_size, "pipeline_schedule": runner.schedule_name}
-        had["microbatches"] = runner.microbatches
-        asked = {"pipeline_parallel": pp, "pipeline_schedule": schedule, "microbatches": microbatches}
-        if had != asked:
-            raise ValueError(
-                f"{type(module).__name__} is already split into pipeline stages with {had}; this strategy asks for "
-                f"{asked}: give the Trainer the same pipeline arguments, or build the module anew (e.g. from the "
-                "checkpoint)"
-            )
+    had = {
+        "pipeline_parallel": runner.pp_size,
+        "pipeline_schedule": runner.schedule_name,
+        "microbatches": runner.microbatches,
+    }
+    asked = {"pipeline_parallel": pp, "pipeline_schedule": schedule, "microbatches": microbatches}
+    if had != asked:
+        raise ValueError(
+            f"{type(module).__name__} is already split into pipeline stages with {had}; this strategy asks for "
+            f"{asked}: give the Trainer the same pipeline arguments, or build the module anew (e.g. from the "
+            "checkpoint)"
+        )
     return True, runner
 
 

@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_mm._collection import imports_kept_out_of_collections
+
 __all__ = ["THREADS_ENV", "free_port", "run_distributed", "run_in_process", "test_threads", "warm_ranks"]
 
 THREADS_ENV = "LIGHTNING_MM_TEST_THREADS"
@@ -380,27 +382,23 @@ def _rank_main(rank: int, world_size: int, tasks, results, preload: list[str]) -
     # Imported with this rank's variables (Lightning's rank_zero_only reads RANK at import) and before the state
     # is captured, so that the filters and loggers those imports install are part of what every launch starts with.
     os.environ.update(_rank_environment(rank, world_size, port=0))
-    gc.disable()  # the imports build only what lives as long as the rank: no collection visits it (frozen below)
-    for name in preload:
-        try:
-            importlib.import_module(name)
-        except Exception:  # a launch that needs it reports the error, with its traceback
-            pass
-    # As in the test process (tests/conftest.py): no tqdm monitor thread, which Hugging Face's progress bars start
-    # and which would count as a thread left running (each such launch retired its ranks).
-    with contextlib.suppress(ImportError):
-        import tqdm
+    # What the imports build lives as long as the rank: frozen, so that the garbage collections after every launch
+    # (_ProcessState.leftovers) visit only what launches created. Each visited the ~450,000 objects of torch,
+    # Lightning and transformers, 0.2-0.5 s per rank and launch (a fifth of the ranks' CPU in the HF parity tests).
+    # Once, before the first launch: whatever a launch creates (a DeviceMesh that _release_dead_meshes must find in
+    # gc.get_objects(), a DataLoader's worker cycle) stays collectable.
+    with imports_kept_out_of_collections():
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except Exception:  # a launch that needs it reports the error, with its traceback
+                pass
+        # As in the test process (tests/conftest.py): no tqdm monitor thread, which Hugging Face's progress bars start
+        # and which would count as a thread left running (each such launch retired its ranks).
+        with contextlib.suppress(ImportError):
+            import tqdm
 
-        tqdm.tqdm.monitor_interval = 0
-    # What the imports built lives as long as the rank: moved out of the collector's reach, so that the garbage
-    # collections after every launch (_ProcessState.leftovers) visit only what launches created. Each visited the
-    # ~450,000 objects of torch, Lightning and transformers, 0.2-0.5 s per rank and launch (a fifth of the ranks'
-    # CPU in the HF parity tests). Once, before the first launch: whatever a launch creates (a DeviceMesh that
-    # _release_dead_meshes must find in gc.get_objects(), a DataLoader's worker cycle) stays collectable. The
-    # imports' own garbage (a failed import's frames) is collected first, not frozen with the rest.
-    gc.collect()
-    gc.freeze()
-    gc.enable()
+            tqdm.tqdm.monitor_interval = 0
     initial = _ProcessState()
     parent = os.getppid()
     while True:

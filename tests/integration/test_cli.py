@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import WandbLogger
 
-from lightning_mm import cli
+from lightning_mm._collection import imports_kept_out_of_collections
 from lightning_mm.checkpoint import read_topology
 from lightning_mm.cli import LightningMMCLI, configure_wandb_mode, main
 from lightning_mm.datamodules import ImageTextWebDataModule, SimpleImageTextDataModule
@@ -238,7 +238,7 @@ def test_command_line_imports_are_frozen_and_collection_restored(monkeypatch):
         main()
         assert gc.get_freeze_count() > frozen_before and gc.isenabled()
         assert [run["args"] for run in runs] == [["fit", "--print_config"], None]
-        with pytest.raises(RuntimeError), cli._imports_kept_out_of_collections():
+        with pytest.raises(RuntimeError), imports_kept_out_of_collections():
             raise RuntimeError("an import failed")
         assert gc.isenabled()
     finally:
