@@ -153,3 +153,19 @@ def test_a_pipelined_module_holds_its_runner_and_copies_hold_nothing():
     del module
     gc.collect()
     assert runner_ref() is None
+
+
+def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages_gone():
+    class Runner:
+        pp_size, schedule_name, microbatches = 2, "1F1B", 4
+
+    plain, pipelined = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert pipeline_setup.parallelized(plain, 1, "1F1B", 1) == (False, None)
+    pipeline_setup.remember_parallelized(plain, None)
+    assert pipeline_setup.parallelized(plain, 1, "1F1B", 1) == (True, None)
+    assert not plain._forward_pre_hooks  # nothing to hold
+    pipeline_setup.remember_parallelized(pipelined, Runner())
+    pipelined._forward_pre_hooks.clear()  # the hook that held the stages, removed by hand
+    gc.collect()
+    with pytest.raises(RuntimeError, match="split into pipeline stages, and they are gone"):
+        pipeline_setup.parallelized(pipelined, 2, "1F1B", 4)
