@@ -2,8 +2,9 @@
 
     python benchmarks/plan_validation.py [--quick] [--out benchmarks/results/plan_validation.json]
 
-Tiny models (the reference ``tiny`` VLM and a tiny HF Llama) train 2 optimizer steps through ``Trainer.fit`` with
-``HybridParallelStrategy`` on 1, 2 and 4 gloo ranks, fp32, AdamW, no gradient clipping, batches without padding (one
+Tiny models (the reference ``tiny`` VLM and a tiny HF Llama in fp32; a Llama whose LM head and loss dominate, ``wide``,
+in bf16-mixed) train 2 optimizer steps through ``Trainer.fit`` with
+``HybridParallelStrategy`` on 1, 2 and 4 gloo ranks, AdamW, no gradient clipping, batches without padding (one
 sample per row, as the planner assumes). The second step is measured on every rank and compared with
 :func:`lightning_mm.planning.evaluate` for the same model, mesh and batch:
 
@@ -33,6 +34,7 @@ within the goal). ~7 min on 2 cores (``--quick``: the 1- and 2-rank meshes only)
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -82,6 +84,15 @@ LLAMA = {
     "rows": 4,
     "tokens": 32,
 }
+# A Llama whose LM head and loss dominate the step, trained in bf16-mixed (autocast on one process, FSDP2's bf16
+# parameters on two): the logits' bf16 and fp32 forms and the loss gradients at the start of backward.
+WIDE = {
+    "config": {**LLAMA["config"], "vocab_size": 8192, "num_hidden_layers": 2},
+    "rows": 4,
+    "tokens": 64,
+    "precision": "bf16-mixed",
+}
+SPECS = {"llama": LLAMA, "wide": WIDE}
 # name -> (world, strategy arguments); the planner's mesh is derived from them
 RUNS: dict[int, list[tuple[str, str, dict[str, Any]]]] = {
     1: [
@@ -90,6 +101,7 @@ RUNS: dict[int, list[tuple[str, str, dict[str, Any]]]] = {
         ("llama", "single", {}),
         ("llama", "single+ac", {"activation_checkpointing": True}),
         ("llama", "single+sac", {"activation_checkpointing": "selective"}),
+        ("wide", "single", {}),
     ],
     2: [
         ("vlm", "fsdp2", {"data_parallel_shard": 2}),
@@ -103,6 +115,7 @@ RUNS: dict[int, list[tuple[str, str, dict[str, Any]]]] = {
         ),
         ("vlm", "ep2", {"data_parallel_shard": 2, "expert_parallel": 2}),
         ("llama", "fsdp2", {"data_parallel_shard": 2}),
+        ("wide", "fsdp2", {"data_parallel_shard": 2}),
         ("llama", "tp2", {"tensor_parallel": 2, "data_parallel_shard": 1}),
         ("llama", "tp2+sp", {"tensor_parallel": 2, "data_parallel_shard": 1, "sequence_parallel": True}),
         ("llama", "tp2+ac", {"tensor_parallel": 2, "data_parallel_shard": 1, "activation_checkpointing": True}),
@@ -391,8 +404,8 @@ def vlm_batch(gen: torch.Generator):
     return collate_one_per_row(samples, pad_id=0)
 
 
-def llama_batch(gen: torch.Generator):
-    rows, tokens, vocab = LLAMA["rows"], LLAMA["tokens"], LLAMA["config"]["vocab_size"]
+def llama_batch(gen: torch.Generator, spec: dict[str, Any] = LLAMA):
+    rows, tokens, vocab = spec["rows"], spec["tokens"], spec["config"]["vocab_size"]
     ids = torch.randint(1, vocab, (rows, tokens), generator=gen)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
@@ -407,13 +420,18 @@ def shape_and_workload(model: str, mesh: Mesh) -> tuple[Any, Workload]:
             precision="32-true",
         )
         return VLMShape(VLM["preset"]), workload
+    spec = SPECS[model]
     workload = Workload(
-        tokens=LLAMA["tokens"],
-        micro_batch=LLAMA["rows"] // (2 if mesh.pp > 1 else 1),
-        global_batch=LLAMA["rows"] * mesh.dp,
-        precision="32-true",
+        tokens=spec["tokens"],
+        micro_batch=spec["rows"] // (2 if mesh.pp > 1 else 1),
+        global_batch=spec["rows"] * mesh.dp,
+        precision=precision_of(model),
     )
-    return CausalLMShape(LLAMA["config"]), workload
+    return CausalLMShape(spec["config"]), workload
+
+
+def precision_of(model: str) -> str:
+    return SPECS.get(model, {}).get("precision", "32-true")
 
 
 def _run_one(rank: int, world: int, model: str, name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -444,8 +462,9 @@ def _run_one(rank: int, world: int, model: str, name: str, kwargs: dict[str, Any
     else:
         from lightning_mm.models.hf import HFCausalLMModule
 
-        module = HFCausalLMModule(config=LLAMA["config"])
-        data = Batches(llama_batch, coords["dp"], steps)
+        spec = SPECS[model]
+        module = HFCausalLMModule(config=spec["config"])
+        data = Batches(functools.partial(llama_batch, spec=spec), coords["dp"], steps)
 
     class Measure(L.Callback):
         def __init__(self) -> None:
@@ -497,7 +516,7 @@ def _run_one(rank: int, world: int, model: str, name: str, kwargs: dict[str, Any
         accelerator="cpu",
         devices=world,
         strategy=HybridParallelStrategy(**kwargs),
-        precision="32-true",
+        precision=precision_of(model),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -669,7 +688,7 @@ def main() -> int:
         report = {
             "goals": {"memory_ratio_within": MEMORY_GOAL, "bytes_ratio_within": BYTES_GOAL},
             "measured_step": STEP,
-            "models": {"vlm": VLM, "llama": LLAMA},
+            "models": {"vlm": VLM, **SPECS},
             "platform": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
             "seconds": total,
             "runs": rows,

@@ -180,8 +180,8 @@ class CausalLMShape(ModelShape):
     def stage_input_bytes(self, geo: Geometry) -> float:
         return geo.n_tokens * 2 * INDEX
 
-    def logits_bytes(self, geo: Geometry, tp: int, a: int) -> tuple[float, float]:
-        forward, backward = super().logits_bytes(geo, tp, a)
+    def logits_bytes(self, geo: Geometry, tp: int, a: int, pipelined: bool = False) -> tuple[float, float]:
+        forward, backward = super().logits_bytes(geo, tp, a, pipelined)
         if self.loss_parallel:  # each rank's vocab shard only, its loss computed there
             return forward / tp, backward / tp
         local = geo.n_tokens * self.vocab_size * a / tp if tp > 1 else 0.0  # the vocab shard before the all-gather

@@ -170,7 +170,8 @@ def _backward_moments(
     fsdp = mesh.dp > 1
     p_bytes, g_bytes, r_bytes = a, a, REDUCTION_BYTES  # unsharded parameter / gradient dtype, reduction dtype
     saved, unit_full = acts.saved, state.unit_full
-    if mesh.pp == 1:  # gradients alive when backward starts: the root's (LM head first, under FSDP unsharded)
+    if mesh.pp == 1:  # gradients alive once the blocks' backward starts: the root's (the LM head's first; under
+        # FSDP unsharded until the root's reduce-scatter after the last block)
         scenarios = [("", 1, state.root_full * g_bytes if fsdp else float(state.unit_grads.get(None, 0)))]
     else:  # 1F1B: the first backward with every microbatch in flight and no gradient yet; a later one with the
         # earlier microbatches' gradients of the whole stage (unsharded under FSDP until the last microbatch)
@@ -182,7 +183,10 @@ def _backward_moments(
     moments: dict[str, float] = {}
     for suffix, flying, start_grads in scenarios:
         others = (flying - 1) * saved  # the other microbatches in flight
-        moments["backward" + suffix] = static + held + others + saved + logits_bwd + start_grads  # loss gradients
+        # the loss gradients; without pipeline parallel no parameter gradient exists yet (the previous step's were
+        # zeroed, the head's is produced after the loss gradients are freed)
+        loss_grads = start_grads if mesh.pp > 1 else 0.0
+        moments["backward" + suffix] = static + held + others + saved + logits_bwd + loss_grads
         # then every block's backward, last block first: its activations (recomputed under AC) and the kept ones
         # of the blocks before it; FSDP2 gathers it and prefetches the next (p each), produces its unsharded
         # gradients (g), reshards it and reduce-scatters (r); the gradients of the blocks already done
@@ -239,7 +243,7 @@ def stage_memory(
     saved = acts.saved
     in_flight = min(mesh.pp - stage, microbatches) if mesh.pp > 1 else 1
     activations = in_flight * saved
-    logits_fwd, logits_bwd = model.logits_bytes(geo, mesh.tp, a) if last else (0.0, 0.0)
+    logits_fwd, logits_bwd = model.logits_bytes(geo, mesh.tp, a, mesh.pp > 1) if last else (0.0, 0.0)
     buffers = _pipeline_buffers(model, mesh, geo, microbatches, first, last, a)
     static = params + optimizer + batch + buffers
     # FSDP2's unsharded parameters held through forward and backward: the root unit, or under pipeline parallel

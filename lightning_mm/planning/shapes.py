@@ -106,12 +106,19 @@ class ModelShape:
         """The first stage's inputs (what the reference VLM's statistics pass clones and holds while it runs)."""
         return self.batch_bytes(geo)
 
-    def logits_bytes(self, geo: Geometry, tp: int, a: int) -> tuple[float, float]:
-        """``(end of forward, start of backward)`` transient bytes of the LM head and loss on the last stage."""
+    def logits_bytes(self, geo: Geometry, tp: int, a: int, pipelined: bool = False) -> tuple[float, float]:
+        """``(end of forward, start of backward)`` transient bytes of the LM head and loss on the last stage, beside
+        the fp32 log-softmax its backward keeps (counted with the activations).
+
+        Forward: the logits and their fp32 copy (in bf16). Backward starts with two fp32 tensors of the logits' shape
+        (the gradient of the log-softmax's output and of its input). The bf16 logits are gone by then: the loss is
+        computed from a local variable and no autograd node saves them (the head's matmul saves its input, the fp32
+        copy saves nothing). Under pipeline parallel they are not: ``torch.distributed.pipelining`` keeps each
+        microbatch's stage output until its backward (``pipelined``)."""
         n, v = geo.n_tokens, self.vocab_size
         extra = n * v * STATS if a < STATS else 0  # logits.float()
         forward = n * v * a + extra
-        backward = 2 * n * v * STATS + (n * v * a if a < STATS else 0)
+        backward = 2 * n * v * STATS + (n * v * a if a < STATS and pipelined else 0)
         return forward, backward
 
     def tp_bytes(self, units: set[str], geo: Geometry, tp: int, a: int) -> float:
