@@ -6,9 +6,16 @@ One thread (``torch.set_num_threads(1)``), so the figures are per core. For each
 elements = 16 MiB of fp32 gradient, and 256 Ki = 1 MiB, about one FSDP unit's chunk of a small model) and codec:
 
 * ``encode``: ``encode(x, config).to_bytes()``, what a sender does before the collective;
-* ``decode``: ``decode(Encoded.from_bytes(wire))``, what a receiver does after it;
-* ``feedback``: the sender's error-feedback update on top (``x + residual``, and ``residual = compensated -
+* ``decode``: ``decode(Encoded.from_bytes(wire))`` into a new tensor;
+* ``decode_add``: ``decode(Encoded.from_bytes(wire), out=total, alpha=1.0)``, what a receiver of the compressed
+  reduce-scatter does with each payload (adds it to the running sum, no full-size temporary);
+* ``feedback``: the sender's whole step with error feedback, as the collectives run it (``_encode_segment``:
+  ``compensated = x + residual`` in the residual's memory, encode, wire bytes, ``residual = compensated -
   decode(sent)``), reported separately because it applies to the gradient exchange only.
+
+``encode + decode`` (GB/s) pairs ``encode`` with ``decode_add``, the receiver's path; ``decode`` into a new tensor is
+shown beside it (on CPU a new multi-MiB tensor is a fresh ``mmap`` whose pages fault on first touch, so it measures
+the allocator as much as the codec).
 
 Throughput is the input's fp32 bytes divided by the median time (``--repeats`` timed calls after two untimed
 ones, the codecs interleaved within each repeat so that a slow spell of the machine hits all of them). The
@@ -35,8 +42,9 @@ from typing import Any
 import torch
 
 from lightning_mm.checkpoint import write_atomically
-from lightning_mm.parallel.compression import CodecConfig, Encoded, block_rotation, codecs, decode, encode
+from lightning_mm.parallel.compression import CodecConfig, CommStats, Encoded, block_rotation, codecs, decode, encode
 from lightning_mm.parallel.compression.codecs import _factored_rotation
+from lightning_mm.parallel.compression.collectives import _encode_segment
 
 RESULTS = Path(__file__).resolve().parent / "results" / "codec_throughput.json"
 CODECS = {
@@ -63,42 +71,42 @@ def _seconds(function) -> float:
 
 
 def _time_codecs(x: torch.Tensor, repeats: int) -> dict[str, dict[str, float]]:
-    residual = torch.zeros_like(x)
+    residual, total, stats = torch.zeros_like(x), torch.zeros_like(x), CommStats()
     steps: dict[str, dict[str, Any]] = {}
+    phases = ("encode", "decode", "decode_add", "feedback")
     for name, config in CODECS.items():
         wire = encode(x, config).to_bytes()
-
-        def feedback(config=config) -> None:
-            compensated = x + residual
-            sent = decode(encode(compensated, config))
-            residual.copy_(compensated - sent)
-
         steps[name] = {
             "encode": lambda config=config: encode(x, config).to_bytes(),
             "decode": lambda wire=wire: decode(Encoded.from_bytes(wire)),
-            "feedback": feedback,
+            "decode_add": lambda wire=wire: decode(Encoded.from_bytes(wire), out=total, alpha=1.0),
+            "feedback": lambda config=config: _encode_segment(x, residual, config, x.dtype, stats),
             "wire_bytes": wire.numel(),
         }
-    times: dict[str, dict[str, list[float]]] = {name: {"encode": [], "decode": [], "feedback": []} for name in steps}
+    times: dict[str, dict[str, list[float]]] = {name: {phase: [] for phase in phases} for name in steps}
     for repeat in range(repeats + 2):
         for name, step in steps.items():
-            for phase in ("encode", "decode", "feedback"):
+            for phase in phases:
                 seconds = _seconds(step[phase])
                 if repeat >= 2:
                     times[name][phase].append(seconds)
     input_bytes = x.numel() * 4
     rows = {}
     for name, phases in times.items():
-        encode_s, decode_s = statistics.median(phases["encode"]), statistics.median(phases["decode"])
-        both = [e + d for e, d in zip(phases["encode"], phases["decode"], strict=True)]
+        encode_s, add_s = statistics.median(phases["encode"]), statistics.median(phases["decode_add"])
+        decode_s = statistics.median(phases["decode"])
+        both = [e + d for e, d in zip(phases["encode"], phases["decode_add"], strict=True)]
+        new_tensor = [e + d for e, d in zip(phases["encode"], phases["decode"], strict=True)]
         rows[name] = {
             "wire_bytes": steps[name]["wire_bytes"],
             "ratio_vs_fp32": input_bytes / steps[name]["wire_bytes"],
             "encode_ms": 1e3 * encode_s,
-            "decode_ms": 1e3 * decode_s,
+            "decode_add_ms": 1e3 * add_s,
+            "decode_new_tensor_ms": 1e3 * decode_s,
             "encode_decode_gb_s_per_core": input_bytes / statistics.median(both) / 1e9,
+            "encode_decode_new_tensor_gb_s_per_core": input_bytes / statistics.median(new_tensor) / 1e9,
             "encode_gb_s_per_core": input_bytes / encode_s / 1e9,
-            "decode_gb_s_per_core": input_bytes / decode_s / 1e9,
+            "decode_add_gb_s_per_core": input_bytes / add_s / 1e9,
             "feedback_ms": 1e3 * statistics.median(phases["feedback"]),
         }
     return rows
@@ -177,11 +185,15 @@ def main() -> None:
         chunking = _time_chunking(x, args.repeats)
         record["sizes"][str(numel)] = {"codecs": rows, "rotation": rotation, "chunking": chunking}
         print(f"\n{numel:,} fp32 elements ({numel * 4 / 2**20:.0f} MiB), one core, medians of {args.repeats}")
-        print(f"{'codec':22} {'vs fp32':>8} {'enc ms':>8} {'dec ms':>8} {'enc+dec GB/s':>13} {'feedback ms':>12}")
+        print(
+            f"{'codec':22} {'vs fp32':>8} {'enc ms':>8} {'dec+add ms':>10} {'enc+dec GB/s':>13} "
+            f"{'dec new ms':>10} {'(GB/s)':>7} {'enc+feedback ms':>15}"
+        )
         for name, row in rows.items():
             print(
-                f"{name:22} {row['ratio_vs_fp32']:8.2f} {row['encode_ms']:8.2f} {row['decode_ms']:8.2f} "
-                f"{row['encode_decode_gb_s_per_core']:13.3f} {row['feedback_ms']:12.2f}"
+                f"{name:22} {row['ratio_vs_fp32']:8.2f} {row['encode_ms']:8.2f} {row['decode_add_ms']:10.2f} "
+                f"{row['encode_decode_gb_s_per_core']:13.3f} {row['decode_new_tensor_ms']:10.2f} "
+                f"{row['encode_decode_new_tensor_gb_s_per_core']:7.3f} {row['feedback_ms']:15.2f}"
             )
         print(
             f"rotation of 128-blocks: dense matmul {rotation['dense_matmul_ms']:.2f} ms, factored "

@@ -35,6 +35,7 @@ import enum
 import functools
 import math
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -61,6 +62,25 @@ _MAX_NUMEL = 2**31 - 1  # numel and count travel as int32 in the header
 _DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 _SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A ``(numel,)`` buffer for one chunk's temporaries, reused by every later call on this thread (CPU).
+
+    A fresh multi-MiB CPU tensor is a fresh ``mmap`` (glibc serves large requests that way and torch has no CPU
+    caching allocator), so each first touch of its pages is a page fault; with a new buffer per pass that cost
+    more than the passes themselves (``benchmarks/codec_throughput.py``: INT4 + rotation decode 16 -> 10 ms at 16 MiB
+    when the allocator kept its pages). The buffers are chunk-sized (:data:`_CHUNK_ELEMENTS`), one set per thread,
+    and never returned to a caller. Accelerators take fresh ones: their caching allocators reuse memory already."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buffer = buffers.get((name, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[(name, dtype)] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
 
 
 def _aligned(nbytes: int) -> int:
@@ -149,8 +169,10 @@ def _round_scale_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scale
     if dtype == torch.bfloat16:
         # bf16 is the upper half of fp32's bits: adding 0xFFFF to the bits of a non-negative float before dropping
-        # the lower half rounds it up (values already exact stay): two integer ops instead of five.
-        bits = (scale.contiguous().view(torch.int32) + 0xFFFF) & -0x10000
+        # the lower half rounds it up (values already exact stay): two integer ops instead of five. A NaN becomes Inf
+        # first: some NaNs' bits would overflow into a finite -0.0, and a non-finite scale is how encode detects a
+        # NaN / Inf input.
+        bits = (scale.nan_to_num(nan=math.inf).view(torch.int32) + 0xFFFF) & -0x10000
         return bits.view(torch.float32).to(torch.bfloat16)
     stored = scale.to(dtype)
     low = stored.float() < scale
@@ -169,7 +191,8 @@ def _pack_nibbles(offset_codes: torch.Tensor, out: torch.Tensor | None = None) -
         offset_codes = torch.cat([offset_codes, offset_codes.new_full((1,), 8)])
     if _LITTLE_ENDIAN:
         words = offset_codes.view(torch.int16)  # lo | hi << 8
-        packed = words | (words >> 4)  # the low byte is lo | hi << 4
+        shifted = _scratch("pack", words.numel(), torch.int16, words.device)
+        packed = torch.bitwise_right_shift(words, 4, out=shifted).bitwise_or_(words)  # low byte: lo | hi << 4
     else:
         pairs = offset_codes.view(-1, 2)
         packed = pairs[:, 0] | (pairs[:, 1] << 4)
@@ -178,13 +201,16 @@ def _pack_nibbles(offset_codes: torch.Tensor, out: torch.Tensor | None = None) -
 
 def _unpack_nibbles(packed: torch.Tensor, count: int) -> torch.Tensor:
     """Inverse of :func:`_pack_nibbles` with the offset removed: ``(ceil(count / 2),)`` uint8 -> ``(count,)`` int8
-    in ``[-8, 7]``."""
+    in ``[-8, 7]``; a view of this thread's scratch buffer (:func:`_scratch`), valid until the next call."""
     if _LITTLE_ENDIAN:
-        words = packed.to(torch.int16)
-        offset_codes = ((words & 0x0F) | ((words & 0xF0) << 4)).view(torch.uint8)
+        words = _scratch("unpack", packed.numel(), torch.int16, packed.device)
+        high = _scratch("unpack_high", packed.numel(), torch.int16, packed.device)
+        words.copy_(packed)
+        torch.bitwise_and(words, 0xF0, out=high).bitwise_left_shift_(4)
+        offset_codes = words.bitwise_and_(0x0F).bitwise_or_(high).view(torch.uint8)
     else:
         offset_codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)
-    return offset_codes[:count].view(torch.int8).sub(8)
+    return offset_codes[:count].view(torch.int8).sub_(8)
 
 
 _ROTATION_SEED = 0x5EED  # every rank must draw the same signs: a fixed seed, not the global generator
@@ -256,14 +282,23 @@ class _FactoredRotation:
         # cache; the result goes straight into ``out``. In place is safe: a chunk is read whole into the first product
         # before its rows are written.
         out = torch.empty_like(blocks) if out is None else out
-        rows = _chunk_rows(blocks, _ROTATION_CHUNK_ELEMENTS)
+        rows = _chunk_rows(blocks.shape[0], blocks.shape[1], blocks.device, _ROTATION_CHUNK_ELEMENTS)
+        size = min(rows, blocks.shape[0]) * blocks.shape[1]
+        first_product = _scratch("rotation_a", size, torch.float32, blocks.device)
+        second_product = _scratch("rotation_b", size, torch.float32, blocks.device)
         for first in range(0, blocks.shape[0], rows):
             source = blocks[first : first + rows].view(-1, self.rows, self.cols)
             target = out[first : first + rows].view(-1, self.rows, self.cols)
+            a = first_product[: source.numel()].view_as(source)
+            b = second_product[: source.numel()].view_as(source)
             if inverse:
-                torch.mul(torch.matmul(self.left, source) @ self.right, self.signs, out=target)
+                torch.matmul(self.left, source, out=a)
+                torch.mm(a.view(-1, self.cols), self.right, out=b.view(-1, self.cols))
+                torch.mul(b, self.signs, out=target)
             else:
-                torch.matmul(self.left, (source * self.signs) @ self.right, out=target)
+                torch.mul(source, self.signs, out=a)
+                torch.mm(a.view(-1, self.cols), self.right, out=b.view(-1, self.cols))
+                torch.matmul(self.left, b, out=target)
         return out
 
 
@@ -283,12 +318,12 @@ _CHUNK_ELEMENTS = 1 << 19
 _ROTATION_CHUNK_ELEMENTS = 1 << 16
 
 
-def _chunk_rows(blocks: torch.Tensor, elements: int | None = None) -> int:
-    """Rows of ``blocks (nb, block_size)`` per chunk of about ``elements`` (default :data:`_CHUNK_ELEMENTS`): an even
-    number (4-bit codes pack in pairs); all of them on accelerators."""
-    if blocks.device.type != "cpu":
-        return max(1, blocks.shape[0])
-    return max(2, (elements or _CHUNK_ELEMENTS) // blocks.shape[1] // 2 * 2)
+def _chunk_rows(count: int, block_size: int, device: torch.device, elements: int | None = None) -> int:
+    """Blocks (rows of ``block_size``) per chunk of about ``elements`` (default :data:`_CHUNK_ELEMENTS`) out of
+    ``count``: an even number (4-bit codes pack in pairs); all of them on accelerators."""
+    if device.type != "cpu":
+        return max(1, count)
+    return max(2, (elements or _CHUNK_ELEMENTS) // block_size // 2 * 2)
 
 
 def code_count(count: int, block_size: int, rotated: bool) -> int:
@@ -335,10 +370,14 @@ def quantize_blocks(
     sent = code_count(numel, block_size, rotate)
     rotation = _factored_rotation(block_size, blocks.device) if rotate else None
     scales = torch.empty(blocks.shape[0], dtype=scale_dtype, device=blocks.device)
-    codes = torch.empty(blocks.numel(), dtype=torch.int8, device=blocks.device)
-    packed = torch.empty(-(-sent // 2), dtype=torch.uint8, device=blocks.device) if bits == 4 else None
-    rows = _chunk_rows(blocks)
-    work = torch.empty(min(rows, blocks.shape[0]), block_size, dtype=torch.float32, device=blocks.device)
+    rows = _chunk_rows(blocks.shape[0], block_size, blocks.device)
+    chunk_numel = min(rows, blocks.shape[0]) * block_size
+    work = _scratch("quantize", chunk_numel, torch.float32, blocks.device).view(-1, block_size)
+    if bits == 4:  # the codes of one chunk at a time, packed into the output
+        packed = torch.empty(-(-sent // 2), dtype=torch.uint8, device=blocks.device)
+        chunk_code_buffer = _scratch("codes", chunk_numel, torch.int8, blocks.device)
+    else:
+        packed, codes = None, torch.empty(blocks.numel(), dtype=torch.int8, device=blocks.device)
     for first in range(0, blocks.shape[0], rows):
         chunk = blocks[first : first + rows]
         values = work[: chunk.shape[0]]
@@ -354,39 +393,71 @@ def quantize_blocks(
         divisor = torch.where(chunk_scales > 0, chunk_scales.float(), 1.0)
         torch.div(source, divisor[:, None], out=values).round_().clamp_(-qmax, qmax)
         start, stop = first * block_size, min((first + rows) * block_size, sent)
-        chunk_codes = codes[start : start + values.numel()].view_as(values)
-        chunk_codes.copy_(values)  # (integral values: the conversion is exact)
-        if packed is not None and stop > start:  # ``start`` is even: chunks hold an even number of rows
-            _pack_nibbles(codes[start:stop].view(torch.uint8).add(8), out=packed[start // 2 : -(-stop // 2)])
+        if packed is None:
+            codes[start : start + values.numel()].view_as(values).copy_(values)  # (integral: the conversion is exact)
+        elif stop > start:  # ``start`` is even: chunks hold an even number of rows
+            chunk_codes = chunk_code_buffer[: values.numel()]
+            chunk_codes.view_as(values).copy_(values)
+            offset_codes = chunk_codes[: stop - start].view(torch.uint8).add_(8)
+            _pack_nibbles(offset_codes, out=packed[start // 2 : -(-stop // 2)])
     return (packed if packed is not None else codes[:sent]), scales
 
 
 @torch.no_grad()
 def dequantize_blocks(
-    codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int = 8, block_size: int = 128, rotate: bool = False
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int = 8,
+    block_size: int = 128,
+    rotate: bool = False,
+    out: torch.Tensor | None = None,
+    alpha: float | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_blocks` (same ``bits``, ``block_size``, ``rotate``): ``codes``, ``scales (nb,)``
-    -> ``(numel,)`` float32."""
+    -> ``(numel,)`` float32.
+
+    ``out`` (``(numel,)`` float32, contiguous): written instead of a new tensor, or, with ``alpha``, added to
+    (``out += alpha * values``, what a reduction or an error-feedback update does with the values), chunk by chunk
+    without a full-size temporary. Returns ``out``."""
     sent = code_count(numel, block_size, rotate)
     count = -(-numel // block_size)  # blocks
-    out = torch.empty(count * block_size, dtype=torch.float32, device=codes.device)
-    if sent < out.numel():  # a short last block (not rotated): its missing codes decode to 0 (cut off below)
-        out[sent:] = 0
-    blocks = out.view(count, block_size)
+    if out is not None and (out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements, got {out.dtype} {out.shape}")
+    if alpha is not None and out is None:
+        raise ValueError("alpha (add the values to out) needs out")
     rotation = _factored_rotation(block_size, codes.device) if rotate else None
-    rows = _chunk_rows(blocks)
+    rows = _chunk_rows(count, block_size, codes.device)
+    # Decoded straight into the result when it holds whole blocks and nothing is added; else chunk by chunk in a
+    # scratch buffer, then copied or added.
+    if out is None:
+        result = torch.empty(count * block_size, dtype=torch.float32, device=codes.device)
+    else:
+        result = out.view(-1)
+    in_place = alpha is None and result.numel() == count * block_size
+    if not in_place:
+        buffer = _scratch("dequantize", min(rows, count) * block_size, torch.float32, codes.device)
     for first in range(0, count, rows):
-        start, stop = first * block_size, min((first + rows) * block_size, sent)
+        last = min(first + rows, count)
+        start, stop = first * block_size, min(last * block_size, sent)
         # (``start`` is even: chunks hold an even number of rows)
         chunk_codes = (
             _unpack_nibbles(codes[start // 2 : -(-stop // 2)], stop - start) if bits == 4 else codes[start:stop]
         )
-        values = blocks[first : first + rows]
-        out[start:stop] = chunk_codes
-        values.mul_(scales[first : first + rows].float()[:, None])
+        flat = result[start : last * block_size] if in_place else buffer[: (last - first) * block_size]
+        flat[: stop - start] = chunk_codes
+        flat[stop - start :] = 0  # a short last block (not rotated): its missing codes decode to 0
+        values = flat.view(-1, block_size)
+        values.mul_(scales[first:last].float()[:, None])
         if rotation is not None:
             rotation.unrotate(values, out=values)
-    return out[:numel]
+        if not in_place:
+            end = min(last * block_size, numel)
+            if alpha is None:
+                result[start:end] = flat[: end - start]
+            else:
+                result[start:end].add_(flat[: end - start], alpha=alpha)
+    return out if out is not None else result[:numel]
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -453,7 +524,7 @@ class Encoded:
     def to_bytes(self) -> torch.Tensor:
         """The wire form: ``(nbytes,)`` uint8."""
         device = self.values.device
-        out = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        out = torch.empty(self.nbytes, dtype=torch.uint8, device=device)  # (the padding is zeroed below)
         dtype_code = _DTYPE_CODES[self.values.dtype if self.mode == Mode.RAW else self.scales.dtype]
         header = torch.tensor(
             [
@@ -469,6 +540,7 @@ class Encoded:
         for section in self._sections():
             raw = section.contiguous().view(-1).view(torch.uint8)
             out[offset : offset + raw.numel()] = raw
+            out[offset + raw.numel() : offset + _aligned(raw.numel())] = 0
             offset += _aligned(raw.numel())
         return out
 
@@ -540,33 +612,59 @@ def encode(x: torch.Tensor, config: CodecConfig, raw_dtype: torch.dtype | None =
         return Encoded(Mode.RAW, 0, flat.to(raw_dtype))
     if numel < config.min_numel:
         return Encoded(Mode.RAW, numel, flat.to(raw_dtype), reason="small")
-    # One reduction instead of an elementwise isfinite (30x slower on CPU): the sum is finite iff every element
-    # is, except when finite values overflow it, which then only sends a (correct) raw payload.
-    if not bool(torch.isfinite(flat.sum())):
-        return Encoded(Mode.RAW, numel, flat.to(raw_dtype), reason="nonfinite")
     common = {"bits": config.bits, "block_size": config.block_size, "rotated": config.rotation}
     quantize = {"scale_dtype": config.scale_torch_dtype, "rotate": config.rotation}
     k = config.topk_count(numel)
     index_size = index_dtype_for(numel).itemsize
     if config.topk_ratio < 1.0 and _aligned(k * index_size) + _dense_bytes(k, config) < _dense_bytes(numel, config):
+        # One reduction instead of an elementwise isfinite (30x slower on CPU): the sum is finite iff every element
+        # is, except when finite values overflow it, which then only sends a (correct) raw payload.
+        if not bool(torch.isfinite(flat.sum())):
+            return Encoded(Mode.RAW, numel, flat.to(raw_dtype), reason="nonfinite")
         indices = topk_indices(flat, k)
         codes, scales = quantize_blocks(flat[indices], config.bits, config.block_size, **quantize)
         return Encoded(Mode.SPARSE, numel, codes, scales=scales, indices=indices.to(index_dtype_for(numel)), **common)
     codes, scales = quantize_blocks(flat, config.bits, config.block_size, **quantize)
+    # A NaN or Inf anywhere makes its block's maximum, so its scale, non-finite (amax / amin and the rotation's sums
+    # propagate both), as does a finite maximum whose stored scale overflows: checked on the scales, a pass over
+    # 1 / block_size of the input instead of one over all of it.
+    if not bool(torch.isfinite(scales).all()):
+        return Encoded(Mode.RAW, numel, flat.to(raw_dtype), reason="nonfinite")
     return Encoded(Mode.DENSE, numel, codes, scales=scales, **common)
 
 
-def decode(encoded: Encoded) -> torch.Tensor:
-    """``(numel,)`` float32 values of an :class:`Encoded` (zeros where Top-k dropped elements)."""
+def decode(encoded: Encoded, out: torch.Tensor | None = None, alpha: float | None = None) -> torch.Tensor:
+    """``(numel,)`` float32 values of an :class:`Encoded` (zeros where Top-k dropped elements).
+
+    ``out`` (``(numel,)`` contiguous float32): written instead of a new tensor, or with ``alpha`` added to
+    (``out += alpha * values``); returns ``out``. A receiver summing what several ranks sent, or an error-feedback
+    update, so needs no full-size temporary per payload."""
+    if out is not None and (out.dtype != torch.float32 or out.numel() != encoded.numel or not out.is_contiguous()):
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of {encoded.numel} elements, got {out.dtype} {tuple(out.shape)}"
+        )
+    if alpha is not None and out is None:
+        raise ValueError("alpha (add the values to out) needs out")
+    out = out.view(-1) if out is not None else None
     if encoded.mode == Mode.RAW:
-        return encoded.values.float()
+        if out is None:
+            return encoded.values.float()
+        return out.copy_(encoded.values.view(-1)) if alpha is None else out.add_(encoded.values.view(-1), alpha=alpha)
+    if encoded.mode == Mode.DENSE:
+        args = (encoded.values, encoded.scales, encoded.count, encoded.bits, encoded.block_size, encoded.rotated)
+        return dequantize_blocks(*args, out=out, alpha=alpha)
     values = dequantize_blocks(
         encoded.values, encoded.scales, encoded.count, encoded.bits, encoded.block_size, encoded.rotated
     )
-    if encoded.mode == Mode.DENSE:
-        return values
-    out = torch.zeros(encoded.numel, dtype=torch.float32, device=values.device)
-    out[encoded.indices.long()] = values
+    index = encoded.indices.long()
+    if out is None:
+        out = torch.zeros(encoded.numel, dtype=torch.float32, device=values.device)
+        out[index] = values
+    elif alpha is None:
+        out.zero_()
+        out[index] = values
+    else:
+        out.index_add_(0, index, values, alpha=alpha)
     return out
 
 

@@ -39,7 +39,6 @@ from lightning_mm.parallel.compression.codecs import (
     Encoded,
     Mode,
     _parse_blob,
-    _store_residual,
     decode,
     dequantize_blocks,
     encode,
@@ -149,24 +148,36 @@ def _encode_segment(
     raw_dtype: torch.dtype,
     stats: CommStats,
 ) -> torch.Tensor:
-    """Wire bytes of ``segment (n,)`` (+ its ``residual (n,)``, updated in place); counts the payload."""
-    compensated = segment.float() + residual if residual is not None else segment
+    """Wire bytes of ``segment (n,)`` (+ its ``residual (n,)``, fp32 and contiguous, updated in place); counts the
+    payload.
+
+    With a residual, ``residual = compensated - decode(sent)`` as :class:`ErrorFeedback` defines it, computed in
+    the residual's own memory (the residual first becomes ``compensated``, then the decoded values are subtracted
+    chunk by chunk): no full-size temporary, which on CPU costs page faults on every call
+    (:func:`~lightning_mm.parallel.compression.codecs._scratch`)."""
+    if residual is not None:
+        compensated = residual.view(-1).add_(segment.reshape(-1))
+    else:
+        compensated = segment
     encoded = encode(compensated, config, raw_dtype=raw_dtype)
+    wire = encoded.to_bytes()  # before the residual changes: a raw payload may be a view of it
     if residual is not None:
         if encoded.mode == Mode.SPARSE:
-            # Same result as _store_residual(residual, compensated, decode(encoded)) without the dense zeros-and-
-            # scatter: everything not sent stays in the residual, the sent entries leave their rounding error.
+            # Everything not sent stays in the residual, the sent entries leave their rounding error.
             index = encoded.indices.long()
-            residual.copy_(compensated)
-            residual[index] -= dequantize_blocks(
+            compensated[index] -= dequantize_blocks(
                 encoded.values, encoded.scales, encoded.count, encoded.bits, encoded.block_size, encoded.rotated
             )
         else:
-            _store_residual(residual, compensated, decode(encoded))
+            decode(encoded, out=compensated, alpha=-1.0)
+            if encoded.mode == Mode.RAW:
+                # A raw payload carrying NaN / Inf leaves NaN - NaN here; the residual must stay finite or it would
+                # poison every later step of this key, so the non-finite entries start over from 0.
+                compensated.nan_to_num_(0.0, 0.0, 0.0)
     stats.payloads += 1
     stats.raw_nonfinite += encoded.reason == "nonfinite"
     stats.raw_small += encoded.reason == "small"
-    return encoded.to_bytes()
+    return wire
 
 
 # A batched payload holds at most this many elements (its own limit is 2**31 - 1; its transient fp32 copies stay
@@ -258,8 +269,12 @@ def _encode_many(
     return torch.cat(blobs)
 
 
-def _decode_many(blob: torch.Tensor, numels: list[int], config: CodecConfig) -> list[torch.Tensor]:
-    """Inverse of :func:`_encode_many` (same ``numels`` and ``config``): ``(numel_i,)`` float32 per segment."""
+def _decode_many(
+    blob: torch.Tensor, numels: list[int], config: CodecConfig, add_to: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """Inverse of :func:`_encode_many` (same ``numels`` and ``config``): ``(numel_i,)`` float32 per segment; or, with
+    ``add_to`` (contiguous fp32 ``(numel_i,)`` each), each segment's values added to it (a reduction: no full-size
+    temporary per payload), which is returned."""
     batch = _batched(numels, config)
     batched = set(batch)
     alone = [i for i in range(len(numels)) if i not in batched]
@@ -268,9 +283,9 @@ def _decode_many(blob: torch.Tensor, numels: list[int], config: CodecConfig) -> 
     if batch:
         parts = decode(payloads.pop(0)).split([_block_padded(numels[i], config) for i in batch])
         for i, part in zip(batch, parts, strict=True):
-            out[i] = part[: numels[i]]
+            out[i] = part[: numels[i]] if add_to is None else add_to[i].add_(part[: numels[i]])
     for i, payload in zip(alone, payloads, strict=True):
-        out[i] = decode(payload)
+        out[i] = decode(payload) if add_to is None else decode(payload, out=add_to[i], alpha=1.0)
     return out
 
 
@@ -427,8 +442,7 @@ def _reduce_scatter_many(
     numels = [c.shape[1] for c in chunks]
     for j in range(world):
         if j != rank:
-            for total, values in zip(totals, _decode_many(received[j], numels, config), strict=True):
-                total += values
+            _decode_many(received[j], numels, config, add_to=totals)
     if op == "avg":
         for total in totals:
             total /= world
