@@ -15,6 +15,10 @@ the first ``--warmup`` steps are left out. Reported per strategy: both sides' me
 median of the per-repeat ratios (min - max), and the codec's own time per step from the callback's
 ``compression/encode_ms`` + ``decode_ms`` (rank 0, median).
 
+Under DDP a third side, ``t1_inline``, runs the same codec inside DDP's comm hook instead of on the compression
+state's worker thread beside backward (``GradCompressionState.beside_backward``, the default on CPU), in the same
+rotation, so the worker thread's effect is measured side by side too.
+
 Writes ``benchmarks/results/compression_step_overhead.json`` (not with ``--quick``) and prints a table.
 """
 
@@ -42,7 +46,7 @@ from lightning_mm.testing.launch import run_distributed  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "compression_step_overhead.json"
 
 
-def _fit(rank: int, world: int, strategy_name: str, compressed: bool, args: argparse.Namespace) -> dict[str, Any]:
+def _fit(rank: int, world: int, strategy_name: str, side: str, args: argparse.Namespace) -> dict[str, Any]:
     from lightning_mm.strategies import HybridParallelStrategy
 
     warnings.filterwarnings("ignore")
@@ -51,7 +55,12 @@ def _fit(rank: int, world: int, strategy_name: str, compressed: bool, args: argp
     dm = bench._datamodule(args)
     module = bench._module(dm, args)
     recorder = bench._Recorder()
-    callbacks: list[L.Callback] = ([CompressedAllToAll()] if compressed else []) + [recorder]
+    callbacks: list[L.Callback] = [recorder]
+    if side != "plain":
+        compression = CompressedAllToAll()
+        # "t1_inline": DDP's buckets compressed inside the hook, not on the state's worker thread beside backward
+        compression.state.beside_backward = side == "t1"
+        callbacks.insert(0, compression)
     strategy = HybridParallelStrategy(data_parallel_shard=world) if strategy_name == "fsdp2" else "ddp"
     trainer = study_trainer(strategy, args.warmup + args.steps, callbacks)
     trainer.fit(module, datamodule=dm)
@@ -78,17 +87,27 @@ def main() -> None:
         args.repeats, args.warmup, args.steps = 1, 3, 5
     record: dict[str, Any] = {"machine": bench.machine(), "args": vars(args), "strategies": {}}
     for strategy in args.strategies:
-        medians: dict[str, list[float]] = {"plain": [], "t1": []}
+        sides = ["plain", "t1", "t1_inline"] if strategy == "ddp" else ["plain", "t1"]
+        medians: dict[str, list[float]] = {side: [] for side in sides}
         codec_ms: list[float] = []
         for repeat in range(args.repeats):
-            order = ["plain", "t1"] if repeat % 2 == 0 else ["t1", "plain"]
+            order = sides if repeat % 2 == 0 else sides[::-1]
             for side in order:
-                per_rank = run_distributed(_fit, WORLD, strategy, side == "t1", args, timeout=1800)
+                per_rank = run_distributed(_fit, WORLD, strategy, side, args, timeout=1800)
                 medians[side].append(statistics.median(_slowest_rank(per_rank)[args.warmup :]))
                 if side == "t1":
                     codec_ms.append(statistics.median(per_rank[0]["codec_ms"][args.warmup :]))
                 print(f"{strategy} repeat {repeat} {side}: {medians[side][-1]:.4f} s/step", flush=True)
         ratios = [t1 / plain for t1, plain in zip(medians["t1"], medians["plain"], strict=True)]
+        inline = {}
+        if "t1_inline" in medians:
+            inline_ratios = [t / p for t, p in zip(medians["t1_inline"], medians["plain"], strict=True)]
+            inline = {
+                "t1_inline_step_seconds_median": statistics.median(medians["t1_inline"]),
+                "t1_inline_over_plain_median": statistics.median(inline_ratios),
+                "t1_inline_over_plain_min": min(inline_ratios),
+                "t1_inline_over_plain_max": max(inline_ratios),
+            }
         record["strategies"][strategy] = {
             "plain_step_seconds_median": statistics.median(medians["plain"]),
             "t1_step_seconds_median": statistics.median(medians["t1"]),
@@ -96,6 +115,7 @@ def main() -> None:
             "t1_over_plain_min": min(ratios),
             "t1_over_plain_max": max(ratios),
             "codec_ms_per_step_median": statistics.median(codec_ms),
+            **inline,
             "per_repeat": {**medians, "ratios": ratios, "codec_ms": codec_ms},
         }
     print(f"\n{'strategy':8} {'plain s/step':>12} {'T1 s/step':>10} {'T1 / plain':>20} {'codec ms/step':>14}")
@@ -105,6 +125,12 @@ def main() -> None:
             f"{strategy:8} {row['plain_step_seconds_median']:12.4f} {row['t1_step_seconds_median']:10.4f} "
             f"{spread:>20} {row['codec_ms_per_step_median']:14.1f}"
         )
+        if "t1_inline_over_plain_median" in row:
+            spread = (
+                f"{row['t1_inline_over_plain_median']:.3f} ({row['t1_inline_over_plain_min']:.3f}-"
+                f"{row['t1_inline_over_plain_max']:.3f})"
+            )
+            print(f"{'  inline':8} {'':12} {row['t1_inline_step_seconds_median']:10.4f} {spread:>20}")
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(record, indent=2) + "\n"

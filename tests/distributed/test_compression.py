@@ -27,11 +27,13 @@ from lightning_mm.parallel.compression import (
     AutoTrial,
     CodecConfig,
     CommStats,
+    GradCompressionState,
     compressed_all_gather,
     compressed_all_reduce,
     compressed_all_reduce_coalesced,
     compressed_all_to_all,
     compressed_reduce_scatter,
+    ddp_compression_hook,
     decode,
     encode,
     quantize_blocks,
@@ -348,6 +350,7 @@ def _fit(
     steps: int = STEPS,
     log_every_n_steps: int = 1,
     accumulate: int = 1,
+    inline: bool = False,
 ) -> dict:
     from lightning_mm.strategies import HybridParallelStrategy
 
@@ -358,6 +361,8 @@ def _fit(
     recorder, metrics = LossRecorder(), _Metrics()
     # The compression callback first: it logs (and resets its counters) in on_train_batch_end, before _Metrics reads.
     callbacks = ([CompressedAllToAll(**compression)] if compression is not None else []) + [recorder, metrics]
+    if inline:  # DDP's buckets compressed inside the hook instead of on the state's worker thread
+        callbacks[0].state.beside_backward = False
     strategy = HybridParallelStrategy() if strategy_name == "fsdp2" else "ddp"
     trainer = _trainer(world, strategy, steps, callbacks, log_every_n_steps, accumulate_grad_batches=accumulate)
     loader = torch.utils.data.DataLoader([batch] * steps * accumulate, batch_size=None)
@@ -404,6 +409,8 @@ def _training(rank: int, world: int, directory: str) -> dict:
         )
     }
     out["ddp_int8_every3"] = _fit(rank, world, "ddp", {"topk_ratio": 1.0, "bits": 8}, log_every_n_steps=3)
+    out["ddp_int8_inline"] = _fit(rank, world, "ddp", {"topk_ratio": 1.0, "bits": 8}, inline=True)
+    out["ddp_worker_error"] = _worker_error()
     for name in ("ddp", "fsdp2"):
         out[f"{name}_int8_every3_accumulate2"] = _fit(
             rank, world, name, {"topk_ratio": 1.0, "bits": 8}, log_every_n_steps=3, accumulate=2
@@ -420,6 +427,19 @@ def _training(rank: int, world: int, directory: str) -> dict:
     )
     out["checkpoint"] = _checkpoint_round_trip(rank, world, directory)
     return out
+
+
+def _worker_error() -> str | None:
+    """A DDP bucket whose compressed all-reduce fails on the worker thread (a parameter the state was not told about):
+    the error must reach the caller of backward, as one raised inside the hook does."""
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    state = GradCompressionState(CodecConfig(min_numel=0))
+    model.register_comm_hook(state, ddp_compression_hook)  # (register_ddp_compression would fill state.names)
+    try:
+        model(torch.randn(4, 64)).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 
 @functools.cache
@@ -446,6 +466,16 @@ def test_int8_training_tracks_uncompressed_loss(strategy):
         assert row["compression/active"] == 1.0 and row["compression/break_even_gbit_s"] > 0
     # Replicas decode identical bytes, so their parameters stay bit-identical.
     assert torch.equal(results[0][f"{strategy}_int8"]["param"], results[1][f"{strategy}_int8"]["param"])
+
+
+def test_ddp_buckets_compressed_beside_backward_equal_those_compressed_inside_the_hook():
+    # The worker thread (the default on CPU) changes when the codec runs, not what it computes: the same losses and
+    # bit-identical parameters as the codec run inside DDP's hook.
+    for rank_result in _training_results():
+        beside, inline = rank_result["ddp_int8"], rank_result["ddp_int8_inline"]
+        assert beside["losses"] == inline["losses"]
+        assert torch.equal(beside["param"], inline["param"])
+        assert "register_ddp_compression" in (rank_result["ddp_worker_error"] or "")
 
 
 def test_counters_are_logged_when_lightning_logs_as_means_over_the_steps_since():

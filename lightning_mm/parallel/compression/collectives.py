@@ -591,12 +591,11 @@ def compressed_all_reduce_coalesced(
             )
     results: list[torch.Tensor | None] = [None] * len(tensors)
     small = [i for i, x in enumerate(tensors) if x.numel() < config.min_numel]
-    if small:
-        # Under min_numel the codec would send them raw anyway; one plain all-reduce of all of them saves a payload
-        # (and its per-call overhead) per tensor. Exact, so their residuals (if any) stay untouched.
-        for i, x in zip(small, _plain_all_reduce([tensors[i] for i in small], group, op, stats), strict=True):
-            results[i] = x
-    large = [i for i in range(len(tensors)) if results[i] is None]
+    # Under min_numel the codec would send them raw anyway; one plain all-reduce of all of them saves a payload (and
+    # its per-call overhead) per tensor. Exact, so their residuals (if any) stay untouched. Started first and waited
+    # for last: it travels while the others are encoded.
+    plain = _PlainAllReduce([tensors[i] for i in small], group, op, stats) if small else None
+    large = [i for i in range(len(tensors)) if i not in set(small)]
     if large:
         padded_inputs, padded_residuals = [], []
         for i in large:
@@ -612,27 +611,34 @@ def compressed_all_reduce_coalesced(
             if residual is not None and padded.data_ptr() != residual.data_ptr():
                 residual.view(-1).copy_(padded[: residual.numel()])  # the update went to a padded copy
             results[i] = full[: x.numel()].to(x.dtype).view(x.shape)
+    if plain is not None:
+        for i, x in zip(small, plain.wait(), strict=True):
+            results[i] = x
     return results
 
 
-def _plain_all_reduce(
-    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, op: str, stats: CommStats
-) -> list[torch.Tensor]:
-    """Uncompressed all-reduce of several tensors in one call (concatenated); counted as ring traffic."""
-    world, _ = _group_info(group)
-    flat = torch.cat([x.reshape(-1) for x in tensors])
-    if world > 1:
-        dist.all_reduce(flat, group=group)
-        ring = 2 * (world - 1) * -(-flat.numel() // world) * flat.element_size()
-        stats.bytes_before += ring
-        stats.bytes_after += ring
-        stats.uncompressed_calls += 1
-    if op == "avg":
-        flat /= world
-    return [
-        part.to(x.dtype).view(x.shape)
-        for part, x in zip(flat.split([x.numel() for x in tensors]), tensors, strict=True)
-    ]
+class _PlainAllReduce:
+    """Uncompressed all-reduce of several tensors in one call (concatenated), started on construction and finished
+    by :meth:`wait`; counted as ring traffic."""
+
+    def __init__(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None, op: str, stats: CommStats):
+        world, _ = _group_info(group)
+        self.tensors, self.op, self.world = tensors, op, world
+        self.flat = torch.cat([x.reshape(-1) for x in tensors])
+        self.work = dist.all_reduce(self.flat, group=group, async_op=True) if world > 1 else None
+        if world > 1:
+            ring = 2 * (world - 1) * -(-self.flat.numel() // world) * self.flat.element_size()
+            stats.bytes_before += ring
+            stats.bytes_after += ring
+            stats.uncompressed_calls += 1
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+        if self.op == "avg":
+            self.flat /= self.world
+        sizes = [x.numel() for x in self.tensors]
+        return [part.to(x.dtype).view(x.shape) for part, x in zip(self.flat.split(sizes), self.tensors, strict=True)]
 
 
 def _pad_flat(t: torch.Tensor, length: int) -> torch.Tensor:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +44,10 @@ class GradCompressionState:
         group: DDP's process group (``None`` = world); FSDP2 passes its own group to every call.
         names: ``id(param) -> name`` (DDP). DDP re-lays out its buckets after the first step, so residuals are kept
             per parameter name (and each parameter is encoded on its own), which also keeps them valid in checkpoints.
+        beside_backward: DDP on CPU: run each bucket's compressed all-reduce on a worker thread of this state (one, so
+            the buckets' collectives keep DDP's order on every rank) while backward goes on, as DDP's own all-reduce
+            runs beside it; ``False`` runs it inside the hook. CUDA buckets always run inside the hook (their
+            gradients are produced on the backward's stream, which another thread would not wait for).
     """
 
     config: CodecConfig
@@ -53,6 +58,18 @@ class GradCompressionState:
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
     gather_feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
     names: dict[int, str] = field(default_factory=dict)
+    beside_backward: bool = True
+    _worker: ThreadPoolExecutor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def worker(self) -> ThreadPoolExecutor:
+        """The thread the DDP buckets' compressed all-reduces run on (created on first use)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-mm-ddp-compression")
+        return self._worker
+
+    def __getstate__(self) -> dict[str, Any]:
+        # (a copy or a pickle gets a thread of its own when it needs one)
+        return {**self.__dict__, "_worker": None}
 
     def residual_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """CPU copies of every residual (what a checkpoint stores for this rank)."""
@@ -91,10 +108,32 @@ def ddp_compression_hook(state: GradCompressionState, bucket: dist.GradBucket) -
 
     Each parameter's gradient in the bucket is encoded on its own (per-tensor Top-k, as in DGC), so results and
     residuals do not depend on DDP's bucket layout. While ``state.active`` is False, or for buckets under
-    ``config.min_numel`` elements, it is a plain all-reduce (counted as uncompressed). The compressed path runs
-    synchronously inside the hook (no overlap with the rest of backward).
+    ``config.min_numel`` elements, it is a plain all-reduce (counted as uncompressed). On CPU (``state.
+    beside_backward``) every bucket, plain or compressed, goes to the state's worker thread in the order DDP hands
+    them over, and the returned future completes there: the encoding, the exchanges' waiting and the decoding run
+    beside the rest of backward, which DDP waits for only at its end. Elsewhere the compressed path runs inside the
+    hook.
     """
     buffer = bucket.buffer()  # (n,) flat gradients of the bucket's parameters, in bucket order
+    params = bucket.parameters()
+    if not (state.beside_backward and buffer.device.type == "cpu"):
+        return _bucket_all_reduce(state, buffer, params)
+    future: torch.futures.Future = torch.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(_bucket_all_reduce(state, buffer, params).wait())
+        except BaseException as error:  # (DDP raises it from its wait at the end of backward)
+            future.set_exception(error)
+
+    state.worker().submit(run)
+    return future
+
+
+def _bucket_all_reduce(
+    state: GradCompressionState, buffer: torch.Tensor, params: list[torch.Tensor]
+) -> torch.futures.Future:
+    """The average of one DDP bucket's flat gradients ``buffer (n,)`` over ``state.group``, as a future."""
     world = dist.get_world_size(state.group)
     if not state.active or buffer.numel() < state.config.min_numel:
         ring_bytes = 2 * (world - 1) * -(-buffer.numel() // world) * buffer.element_size()
@@ -103,7 +142,6 @@ def ddp_compression_hook(state: GradCompressionState, bucket: dist.GradBucket) -
         state.stats.uncompressed_calls += 1
         work = dist.all_reduce(buffer.div_(world), group=state.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
-    params = bucket.parameters()
     numels = [p.numel() for p in params]
     if sum(numels) != buffer.numel():
         raise RuntimeError(
