@@ -56,6 +56,7 @@ class CausalLMShape(ModelShape):
         self.heads, self.kv_heads, self.head_dim = heads, kv, hd
         self.vocab_size = v = int(cfg["vocab_size"])
         self.tied_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.logit_softcapping = bool(cfg.get("final_logit_softcapping"))  # Gemma 2 / 3: logits = c tanh(logits / c)
         qkv_bias = bool(cfg.get("attention_bias", self.model_type == "qwen2"))
         o_bias = bool(cfg.get("attention_bias", False))
         mlp_bias = bool(cfg.get("mlp_bias", False))
@@ -182,6 +183,11 @@ class CausalLMShape(ModelShape):
 
     def logits_bytes(self, geo: Geometry, tp: int, a: int, pipelined: bool = False) -> tuple[float, float]:
         forward, backward = super().logits_bytes(geo, tp, a, pipelined)
+        if self.logit_softcapping:
+            # logits / c and its tanh beside the logits in forward; the tanh's output is kept for its backward (not
+            # measured here: the rule of tanh's autograd formula, which saves its result)
+            logits = geo.n_tokens * self.vocab_size * a
+            forward, backward = forward + 2 * logits, backward + logits
         if self.loss_parallel:  # each rank's vocab shard only, its loss computed there
             return forward / tp, backward / tp
         local = geo.n_tokens * self.vocab_size * a / tp if tp > 1 else 0.0  # the vocab shard before the all-gather

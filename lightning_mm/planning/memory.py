@@ -162,30 +162,37 @@ def _backward_moments(
     in_flight: int,
     microbatches: int,
     a: int,
+    accumulation: int = 1,
 ) -> dict[str, float]:
     """Bytes alive at each moment of a stage's backward: its start (loss gradients), then every block's backward,
-    last block first; under 1F1B both the first backward (every microbatch in flight) and a later one. ``static``:
-    parameters, optimizer state, batch and pipeline buffers; ``held``: FSDP2's unsharded parameters (or autocast's
-    weight copies) held through the step; ``logits_bwd``: the loss gradients' transient bytes."""
+    last block first; under 1F1B both the first backward (every microbatch in flight) and a later one; with gradient
+    accumulation (``accumulation`` micro-steps, no pipeline) both the first micro-step and a later one, which finds
+    the earlier ones' gradients. ``static``: parameters, optimizer state, batch and pipeline buffers; ``held``:
+    FSDP2's unsharded parameters (or autocast's weight copies) held through the step; ``logits_bwd``: the loss
+    gradients' transient bytes."""
     fsdp = mesh.dp > 1
     p_bytes, g_bytes, r_bytes = a, a, REDUCTION_BYTES  # unsharded parameter / gradient dtype, reduction dtype
     saved, unit_full = acts.saved, state.unit_full
-    if mesh.pp == 1:  # gradients alive once the blocks' backward starts: the root's (the LM head's first; under
-        # FSDP unsharded until the root's reduce-scatter after the last block)
-        scenarios = [("", 1, state.root_full * g_bytes if fsdp else float(state.unit_grads.get(None, 0)))]
+    # per scenario: (name, microbatches in flight, gradients alive when the blocks' backward starts, gradients alive
+    # beside the loss gradients, whether the blocks' gradients already exist and are added to in place)
+    if mesh.pp == 1:
+        # The blocks' backward starts with the root's gradients (the LM head's first; under FSDP unsharded until the
+        # root's reduce-scatter after the last block). Beside the loss gradients there are none in a step's first
+        # micro-step (the previous step's were zeroed; the head's is produced after the loss gradients are freed);
+        # a later micro-step of gradient accumulation finds every gradient of the earlier ones (FSDP2 reduce-scatters
+        # each micro-step, so they are this rank's shards) and adds to them.
+        root = state.root_full * g_bytes if fsdp else float(state.unit_grads.get(None, 0))
+        scenarios = [("", 1, root, 0.0, False)]
+        if accumulation > 1:
+            scenarios.append((" (accumulating)", 1, state.grads + (root if fsdp else 0.0), state.grads, True))
     else:  # 1F1B: the first backward with every microbatch in flight and no gradient yet; a later one with the
         # earlier microbatches' gradients of the whole stage (unsharded under FSDP until the last microbatch)
         later = in_flight if microbatches > in_flight else in_flight - 1
-        scenarios = [
-            (" (first)", in_flight, 0.0),
-            (" (later)", later, state.stage_full * g_bytes if fsdp else state.grads),
-        ]
+        stage_grads = state.stage_full * g_bytes if fsdp else state.grads
+        scenarios = [(" (first)", in_flight, 0.0, 0.0, False), (" (later)", later, stage_grads, stage_grads, True)]
     moments: dict[str, float] = {}
-    for suffix, flying, start_grads in scenarios:
+    for suffix, flying, start_grads, loss_grads, grads_there in scenarios:
         others = (flying - 1) * saved  # the other microbatches in flight
-        # the loss gradients; without pipeline parallel no parameter gradient exists yet (the previous step's were
-        # zeroed, the head's is produced after the loss gradients are freed)
-        loss_grads = start_grads if mesh.pp > 1 else 0.0
         moments["backward" + suffix] = static + held + others + saved + logits_bwd + loss_grads
         # then every block's backward, last block first: its activations (recomputed under AC) and the kept ones
         # of the blocks before it; FSDP2 gathers it and prefetches the next (p each), produces its unsharded
@@ -203,8 +210,8 @@ def _backward_moments(
                 start_fsdp = end_fsdp = held
             # this block's gradients: produced here (plain), after its reduce-scatter (FSDP: the shard)
             own_grads = float(state.unit_grads.get(blocks[i], 0)) if not (fsdp and mesh.pp > 1) else 0.0
-            if mesh.pp > 1 and start_grads:
-                own_grads = 0.0  # already there from the earlier microbatches
+            if grads_there:
+                own_grads = 0.0  # already there from the earlier microbatches / micro-steps
             moments[f"backward:{blocks[i]}{suffix}"] = static + max(
                 before + acts.block_saved[i] + start_fsdp + done_grads,
                 before + end_fsdp + done_grads + (own_grads if not fsdp else 0.0),
@@ -282,7 +289,11 @@ def stage_memory(
             moments["statistics_pass"] = static + held + cache
         receive = 0.0 if model.statistics_pass or first else microbatches * forward
         moments["validation"] = static + receive + grads + held + cache
-    moments.update(_backward_moments(mesh, state, acts, static, held, logits_bwd, in_flight, microbatches, a))
+    moments.update(
+        _backward_moments(
+            mesh, state, acts, static, held, logits_bwd, in_flight, microbatches, a, schedule.accumulation
+        )
+    )
     recompute = max(acts.block_saved, default=0.0) if activation_checkpointing else 0.0
     block_full = max((v for k, v in state.unit_full.items() if k is not None), default=0)
     moment = max(moments, key=moments.get)

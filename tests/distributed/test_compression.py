@@ -37,6 +37,7 @@ from lightning_mm.parallel.compression import (
     decode,
     encode,
     quantize_blocks,
+    register_ddp_compression,
 )
 from tests.helpers import LossRecorder, quiet_trainer, random_samples, run_distributed, shard_batches
 
@@ -411,6 +412,7 @@ def _training(rank: int, world: int, directory: str) -> dict:
     out["ddp_int8_every3"] = _fit(rank, world, "ddp", {"topk_ratio": 1.0, "bits": 8}, log_every_n_steps=3)
     out["ddp_int8_inline"] = _fit(rank, world, "ddp", {"topk_ratio": 1.0, "bits": 8}, inline=True)
     out["ddp_worker_error"] = _worker_error()
+    out["ddp_find_unused"] = _find_unused_parameters()
     for name in ("ddp", "fsdp2"):
         out[f"{name}_int8_every3_accumulate2"] = _fit(
             rank, world, name, {"topk_ratio": 1.0, "bits": 8}, log_every_n_steps=3, accumulate=2
@@ -440,6 +442,35 @@ def _worker_error() -> str | None:
     except RuntimeError as error:
         return str(error)
     return None
+
+
+def _find_unused_parameters() -> dict:
+    """DDP with find_unused_parameters all-reduces its map of used parameters during backward on the hook's group:
+    the codec then runs inside the hook (on the worker its collectives would pair with that one on one rank and
+    with another on the other). Three steps, one parameter unused, each rank's own data."""
+
+    class OneUnused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    torch.manual_seed(0)
+    net = OneUnused()
+    model = torch.nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    state = GradCompressionState(CodecConfig(bits=8, min_numel=0))
+    register_ddp_compression(model, state)
+    torch.manual_seed(1 + dist.get_rank())
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(4, 64)).square().sum().backward()
+    return {
+        "worker_allowed": state._worker_allowed,
+        "grad": net.used.weight.grad.clone(),
+        "payloads": state.stats.payloads,
+    }
 
 
 @functools.cache
@@ -476,6 +507,11 @@ def test_ddp_buckets_compressed_beside_backward_equal_those_compressed_inside_th
         assert beside["losses"] == inline["losses"]
         assert torch.equal(beside["param"], inline["param"])
         assert "register_ddp_compression" in (rank_result["ddp_worker_error"] or "")
+    # DDP's own collective during backward (find_unused_parameters): the codec stays inside the hook and the three
+    # steps complete with the same averaged gradients on both ranks
+    unused = [rank_result["ddp_find_unused"] for rank_result in _training_results()]
+    assert not unused[0]["worker_allowed"] and unused[0]["payloads"] > 0
+    assert torch.equal(unused[0]["grad"], unused[1]["grad"])
 
 
 def test_counters_are_logged_when_lightning_logs_as_means_over_the_steps_since():

@@ -584,3 +584,52 @@ def test_auto_is_refused_for_the_moe_exchange():
         CompressedAllToAll(auto=True, targets=("moe",))
     with pytest.raises(ValueError, match="auto must be a bool"):
         CompressedAllToAll(auto="yes")
+
+
+def test_a_thread_that_first_ran_the_codec_under_inference_mode_runs_it_outside_too():
+    # The codec's per-thread scratch buffers are made on first use; made under inference_mode they would be
+    # inference tensors, which cannot be written outside it.
+    import threading
+
+    x, config = torch.randn(5000), CodecConfig(bits=4, scale_dtype="bfloat16", rotation=True)
+    expected = decode(encode(x, config))
+    results: dict[str, torch.Tensor | BaseException] = {}
+
+    def run() -> None:
+        try:
+            with torch.inference_mode():
+                results["inside"] = decode(encode(x, config)).clone()
+            results["outside"] = decode(encode(x, config))
+        except BaseException as error:  # (reported below, not lost in the thread)
+            results["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert "error" not in results, results.get("error")
+    assert torch.equal(results["inside"], expected) and torch.equal(results["outside"], expected)
+
+
+def test_top_k_sends_raw_a_float64_value_beyond_float32s_range():
+    # Its sum is finite in float64, but its block scale (float32) is not: raw, never an Inf scale that decodes to NaN.
+    x = torch.randn(4096, dtype=torch.float64)
+    x[5] = 1e39
+    for config in (CodecConfig(topk_ratio=0.01), CodecConfig()):
+        encoded = encode(x, config)
+        assert encoded.reason == "nonfinite", config
+        assert torch.equal(decode(Encoded.from_bytes(encoded.to_bytes())), x.float())
+
+
+def test_error_feedback_in_a_non_float32_residual_gives_the_same_bytes():
+    # A residual of another dtype (e.g. one handed to compressed_all_to_all) takes the path through temporaries.
+    from lightning_mm.parallel.compression import CommStats
+    from lightning_mm.parallel.compression.collectives import _encode_segment
+
+    config = CodecConfig(bits=4, scale_dtype="bfloat16", rotation=True)
+    segment = torch.randn(3000)
+    start = torch.randn(3000) * 1e-2
+    fp32, fp64 = start.clone(), start.double()
+    wire32 = _encode_segment(segment, fp32, config, torch.float32, CommStats())
+    wire64 = _encode_segment(segment, fp64, config, torch.float32, CommStats())
+    assert torch.equal(wire32, wire64)
+    torch.testing.assert_close(fp64.float(), fp32, rtol=0, atol=1e-6)

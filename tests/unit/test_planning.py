@@ -352,3 +352,28 @@ def test_loss_gradients_start_backward_without_the_bf16_logits_or_parameter_grad
     # the same head on the last of two pipeline stages: its bf16 logits too
     pipelined = evaluate(wide, Mesh(pp=2), bf16, Hardware(devices=2)).memory["stages"][1]
     assert pipelined["logits_transient"] == 2 * n * v * 4 + n * v * 2
+
+
+def test_a_later_micro_step_of_gradient_accumulation_starts_backward_beside_every_gradient(llama):
+    # The first micro-step's loss gradients meet no parameter gradient; a later one's meet all of the earlier
+    # micro-steps' (this rank's FSDP2 shards), which the blocks then add to in place.
+    for mesh in (Mesh(), Mesh(dp_shard=2)):
+        single = evaluate(llama, mesh, fp32(tokens=8, micro=1, global_batch=mesh.dp), Hardware(devices=mesh.dp))
+        accumulated = evaluate(
+            llama, mesh, fp32(tokens=8, micro=1, global_batch=2 * mesh.dp), Hardware(devices=mesh.dp)
+        )
+        first, later = single.memory["stages"][0], accumulated.memory["stages"][0]
+        assert accumulated.accumulation == 2 and "backward (accumulating)" not in first["moments"]
+        assert later["moments"]["backward"] == first["moments"]["backward"]
+        assert later["moments"]["backward (accumulating)"] == first["moments"]["backward"] + later["grads"]
+        assert later["peak"] >= first["peak"]
+
+
+def test_final_logit_softcapping_keeps_its_tanh_output_for_backward():
+    # Gemma 2 / 3 cap the logits (c tanh(logits / c)): tanh keeps its output, logits-sized, for its backward.
+    plain = CausalLMShape({**TINY_LLAMA, "vocab_size": 4096})
+    capped = CausalLMShape({**TINY_LLAMA, "vocab_size": 4096, "final_logit_softcapping": 30.0})
+    bf16 = Workload(tokens=64, micro_batch=2, global_batch=2, precision="bf16-mixed")
+    one, two = (evaluate(shape, Mesh(), bf16, Hardware(devices=1)).memory["stages"][0] for shape in (plain, capped))
+    logits = 2 * 64 * 4096 * 2  # tokens x vocabulary x bf16
+    assert two["moments"]["backward"] == one["moments"]["backward"] + logits

@@ -79,7 +79,10 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     buffer = buffers.get((name, dtype))
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        # (a normal tensor even when first needed under torch.inference_mode: an inference tensor could not be
+        # written outside it later)
+        with torch.inference_mode(False):
+            buffer = buffers[(name, dtype)] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
 
@@ -623,6 +626,8 @@ def encode(x: torch.Tensor, config: CodecConfig, raw_dtype: torch.dtype | None =
             return Encoded(Mode.RAW, numel, flat.to(raw_dtype), reason="nonfinite")
         indices = topk_indices(flat, k)
         codes, scales = quantize_blocks(flat[indices], config.bits, config.block_size, **quantize)
+        if not bool(torch.isfinite(scales).all()):  # (a float64 value beyond float32's range: finite sum, Inf scale)
+            return Encoded(Mode.RAW, numel, flat.to(raw_dtype), reason="nonfinite")
         return Encoded(Mode.SPARSE, numel, codes, scales=scales, indices=indices.to(index_dtype_for(numel)), **common)
     codes, scales = quantize_blocks(flat, config.bits, config.block_size, **quantize)
     # A NaN or Inf anywhere makes its block's maximum, so its scale, non-finite (amax / amin and the rotation's sums

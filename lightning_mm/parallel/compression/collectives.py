@@ -39,6 +39,7 @@ from lightning_mm.parallel.compression.codecs import (
     Encoded,
     Mode,
     _parse_blob,
+    _store_residual,
     decode,
     dequantize_blocks,
     encode,
@@ -155,6 +156,12 @@ def _encode_segment(
     the residual's own memory (the residual first becomes ``compensated``, then the decoded values are subtracted
     chunk by chunk): no full-size temporary, which on CPU costs page faults on every call
     (:func:`~lightning_mm.parallel.compression.codecs._scratch`)."""
+    if residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()):
+        # (another residual, e.g. one handed to compressed_all_to_all: the same update through temporaries)
+        compensated = segment.float() + residual
+        encoded = encode(compensated, config, raw_dtype=raw_dtype)
+        _store_residual(residual, compensated, decode(encoded))
+        return _counted(encoded, stats).to_bytes()
     if residual is not None:
         compensated = residual.view(-1).add_(segment.reshape(-1))
     else:
@@ -174,10 +181,16 @@ def _encode_segment(
                 # A raw payload carrying NaN / Inf leaves NaN - NaN here; the residual must stay finite or it would
                 # poison every later step of this key, so the non-finite entries start over from 0.
                 compensated.nan_to_num_(0.0, 0.0, 0.0)
+    _counted(encoded, stats)
+    return wire
+
+
+def _counted(encoded: Encoded, stats: CommStats) -> Encoded:
+    """``encoded``, counted in ``stats`` as one payload (and why it is raw, if it is)."""
     stats.payloads += 1
     stats.raw_nonfinite += encoded.reason == "nonfinite"
     stats.raw_small += encoded.reason == "small"
-    return wire
+    return encoded
 
 
 # A batched payload holds at most this many elements (its own limit is 2**31 - 1; its transient fp32 copies stay
@@ -595,7 +608,7 @@ def compressed_all_reduce_coalesced(
     # its per-call overhead) per tensor. Exact, so their residuals (if any) stay untouched. Started first and waited
     # for last: it travels while the others are encoded.
     plain = _PlainAllReduce([tensors[i] for i in small], group, op, stats) if small else None
-    large = [i for i in range(len(tensors)) if i not in set(small)]
+    large = sorted(set(range(len(tensors))) - set(small))
     if large:
         padded_inputs, padded_residuals = [], []
         for i in large:

@@ -60,6 +60,9 @@ class GradCompressionState:
     names: dict[int, str] = field(default_factory=dict)
     beside_backward: bool = True
     _worker: ThreadPoolExecutor | None = field(default=None, init=False, repr=False, compare=False)
+    _worker_allowed: bool = field(default=True, init=False, repr=False, compare=False)
+    """False when the registered DDP model runs collectives of its own during backward (see
+    :func:`register_ddp_compression`)."""
 
     def worker(self) -> ThreadPoolExecutor:
         """The thread the DDP buckets' compressed all-reduces run on (created on first use)."""
@@ -116,7 +119,7 @@ def ddp_compression_hook(state: GradCompressionState, bucket: dist.GradBucket) -
     """
     buffer = bucket.buffer()  # (n,) flat gradients of the bucket's parameters, in bucket order
     params = bucket.parameters()
-    if not (state.beside_backward and buffer.device.type == "cpu"):
+    if not (state.beside_backward and state._worker_allowed and buffer.device.type == "cpu"):
         return _bucket_all_reduce(state, buffer, params)
     future: torch.futures.Future = torch.futures.Future()
 
@@ -182,6 +185,10 @@ def register_ddp_compression(ddp_model: nn.parallel.DistributedDataParallel, sta
     """
     state.group = ddp_model.process_group
     state.names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    # With find_unused_parameters (or a static graph's first step) DDP all-reduces its map of used parameters on the
+    # autograd thread during backward (the reducer's all_reduce_local_used_map), on the same group: beside the
+    # worker's collectives it would be paired with a different one on each rank, so the codec runs inside the hook.
+    state._worker_allowed = not (ddp_model.find_unused_parameters or getattr(ddp_model, "static_graph", False))
     ddp_model.register_comm_hook(state, ddp_compression_hook)
 
 
