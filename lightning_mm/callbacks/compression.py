@@ -326,6 +326,7 @@ class CompressedAllToAll(pl.Callback):
             if dispatcher.codec is self.moe_codec:
                 dispatcher.codec = None
         self.moe_dispatchers = []
+        self.state.close()  # the DDP worker thread ends with the fit, not whenever the state is collected
 
     def _register_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = trainer.strategy.model

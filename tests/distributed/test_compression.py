@@ -370,7 +370,10 @@ def _fit(
     trainer.fit(module, train_dataloaders=loader)
     first = next(p for p in module.model.parameters() if p.ndim == 2)
     first = first.full_tensor() if hasattr(first, "full_tensor") else first
-    return {"losses": recorder.losses, "metrics": metrics.rows, "param": first.detach().clone()}
+    import threading
+
+    workers = [t.name for t in threading.enumerate() if t.name.startswith("lightning-mm-ddp-compression")]
+    return {"losses": recorder.losses, "metrics": metrics.rows, "param": first.detach().clone(), "workers": workers}
 
 
 def _checkpoint_round_trip(rank: int, world: int, directory: str) -> dict:
@@ -441,6 +444,8 @@ def _worker_error() -> str | None:
         model(torch.randn(4, 64)).sum().backward()
     except RuntimeError as error:
         return str(error)
+    finally:
+        state.close()
     return None
 
 
@@ -505,6 +510,7 @@ def test_ddp_buckets_compressed_beside_backward_equal_those_compressed_inside_th
     for rank_result in _training_results():
         beside, inline = rank_result["ddp_int8"], rank_result["ddp_int8_inline"]
         assert beside["losses"] == inline["losses"]
+        assert beside["workers"] == []  # the worker thread ended with the fit (teardown)
         assert torch.equal(beside["param"], inline["param"])
         assert "register_ddp_compression" in (rank_result["ddp_worker_error"] or "")
     # DDP's own collective during backward (find_unused_parameters): the codec stays inside the hook and the three

@@ -70,6 +70,12 @@ class GradCompressionState:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-mm-ddp-compression")
         return self._worker
 
+    def close(self) -> None:
+        """End the worker thread (after the buckets it was given), if there is one; a later bucket starts another."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+
     def __getstate__(self) -> dict[str, Any]:
         # (a copy or a pickle gets a thread of its own when it needs one)
         return {**self.__dict__, "_worker": None}
