@@ -406,6 +406,16 @@ def quantize_blocks(
     return (packed if packed is not None else codes[:sent]), scales
 
 
+def _check_out(out: torch.Tensor | None, alpha: float | None, numel: int) -> None:
+    """The ``out`` / ``alpha`` arguments of :func:`dequantize_blocks` and :func:`decode`."""
+    if out is not None and (out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous()):
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of {numel} elements, got {out.dtype} {tuple(out.shape)}"
+        )
+    if alpha is not None and out is None:
+        raise ValueError("alpha (add the values to out) needs out")
+
+
 @torch.no_grad()
 def dequantize_blocks(
     codes: torch.Tensor,
@@ -425,10 +435,7 @@ def dequantize_blocks(
     without a full-size temporary. Returns ``out``."""
     sent = code_count(numel, block_size, rotate)
     count = -(-numel // block_size)  # blocks
-    if out is not None and (out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements, got {out.dtype} {out.shape}")
-    if alpha is not None and out is None:
-        raise ValueError("alpha (add the values to out) needs out")
+    _check_out(out, alpha, numel)
     rotation = _factored_rotation(block_size, codes.device) if rotate else None
     rows = _chunk_rows(count, block_size, codes.device)
     # Decoded straight into the result when it holds whole blocks and nothing is added; else chunk by chunk in a
@@ -644,12 +651,7 @@ def decode(encoded: Encoded, out: torch.Tensor | None = None, alpha: float | Non
     ``out`` (``(numel,)`` contiguous float32): written instead of a new tensor, or with ``alpha`` added to
     (``out += alpha * values``); returns ``out``. A receiver summing what several ranks sent, or an error-feedback
     update, so needs no full-size temporary per payload."""
-    if out is not None and (out.dtype != torch.float32 or out.numel() != encoded.numel or not out.is_contiguous()):
-        raise ValueError(
-            f"out must be a contiguous float32 tensor of {encoded.numel} elements, got {out.dtype} {tuple(out.shape)}"
-        )
-    if alpha is not None and out is None:
-        raise ValueError("alpha (add the values to out) needs out")
+    _check_out(out, alpha, encoded.numel)
     out = out.view(-1) if out is not None else None
     if encoded.mode == Mode.RAW:
         if out is None:
