@@ -174,7 +174,7 @@ def _backward_moments(
     p_bytes, g_bytes, r_bytes = a, a, REDUCTION_BYTES  # unsharded parameter / gradient dtype, reduction dtype
     saved, unit_full = acts.saved, state.unit_full
     # per scenario: (name, microbatches in flight, gradients alive when the blocks' backward starts, gradients alive
-    # beside the loss gradients, whether the blocks' gradients already exist and are added to in place)
+    # beside the loss gradients: when there are any, the blocks' gradients already exist and are added to in place)
     if mesh.pp == 1:
         # The blocks' backward starts with the root's gradients (the LM head's first; under FSDP unsharded until the
         # root's reduce-scatter after the last block). Beside the loss gradients there are none in a step's first
@@ -182,16 +182,16 @@ def _backward_moments(
         # a later micro-step of gradient accumulation finds every gradient of the earlier ones (FSDP2 reduce-scatters
         # each micro-step, so they are this rank's shards) and adds to them.
         root = state.root_full * g_bytes if fsdp else float(state.unit_grads.get(None, 0))
-        scenarios = [("", 1, root, 0.0, False)]
+        scenarios = [("", 1, root, 0.0)]
         if accumulation > 1:
-            scenarios.append((" (accumulating)", 1, state.grads + (root if fsdp else 0.0), state.grads, True))
+            scenarios.append((" (accumulating)", 1, state.grads + (root if fsdp else 0.0), state.grads))
     else:  # 1F1B: the first backward with every microbatch in flight and no gradient yet; a later one with the
         # earlier microbatches' gradients of the whole stage (unsharded under FSDP until the last microbatch)
         later = in_flight if microbatches > in_flight else in_flight - 1
         stage_grads = state.stage_full * g_bytes if fsdp else state.grads
-        scenarios = [(" (first)", in_flight, 0.0, 0.0, False), (" (later)", later, stage_grads, stage_grads, True)]
+        scenarios = [(" (first)", in_flight, 0.0, 0.0), (" (later)", later, stage_grads, stage_grads)]
     moments: dict[str, float] = {}
-    for suffix, flying, start_grads, loss_grads, grads_there in scenarios:
+    for suffix, flying, start_grads, loss_grads in scenarios:
         others = (flying - 1) * saved  # the other microbatches in flight
         moments["backward" + suffix] = static + held + others + saved + logits_bwd + loss_grads
         # then every block's backward, last block first: its activations (recomputed under AC) and the kept ones
@@ -210,7 +210,7 @@ def _backward_moments(
                 start_fsdp = end_fsdp = held
             # this block's gradients: produced here (plain), after its reduce-scatter (FSDP: the shard)
             own_grads = float(state.unit_grads.get(blocks[i], 0)) if not (fsdp and mesh.pp > 1) else 0.0
-            if grads_there:
+            if loss_grads:
                 own_grads = 0.0  # already there from the earlier microbatches / micro-steps
             moments[f"backward:{blocks[i]}{suffix}"] = static + max(
                 before + acts.block_saved[i] + start_fsdp + done_grads,
