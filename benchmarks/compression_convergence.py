@@ -53,6 +53,7 @@ from lightning_mm.models import VLMModule, compute_losses  # noqa: E402
 from lightning_mm.testing.launch import run_distributed  # noqa: E402
 
 WORLD = 2
+DIAGNOSTIC = ("T2 H=1", "T2 H=4", "T2 H=4 compressed")  # methods not in the default set
 T2_CODEC = {"bits": 4, "topk_ratio": 0.1, "error_feedback": True}
 # name -> (strategy degrees, CompressedAllToAll kwargs or None, ReplicaSync kwargs or None, axis compressed)
 METHODS: dict[str, tuple[dict[str, int], dict[str, Any] | None, dict[str, Any] | None, str]] = {
@@ -65,8 +66,15 @@ METHODS: dict[str, tuple[dict[str, int], dict[str, Any] | None, dict[str, Any] |
         "dp_shard reduce-scatter",
     ),
     "T2 H=1": ({"data_parallel_replicate": 2, "data_parallel_shard": 1}, None, {"every": 1}, "dp_replicate"),
+    "T2 H=4": ({"data_parallel_replicate": 2, "data_parallel_shard": 1}, None, {"every": 4}, "dp_replicate"),
     "T2 H=16": ({"data_parallel_replicate": 2, "data_parallel_shard": 1}, None, {"every": 16}, "dp_replicate"),
     "T2 H=64": ({"data_parallel_replicate": 2, "data_parallel_shard": 1}, None, {"every": 64}, "dp_replicate"),
+    "T2 H=4 compressed": (
+        {"data_parallel_replicate": 2, "data_parallel_shard": 1},
+        None,
+        {"every": 4, **T2_CODEC},
+        "dp_replicate",
+    ),
     "T2 H=16 compressed": (
         {"data_parallel_replicate": 2, "data_parallel_shard": 1},
         None,
@@ -297,8 +305,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    # T2 H=1 is a diagnostic (what training each replica on its own half of the batch costs), not in the default set.
-    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "T2 H=1"], choices=list(METHODS))
+    # T2 H=1 and H=4 are diagnostics (what training each replica on its own half of the batch costs; a short sync
+    # interval), not in the default set.
+    parser.add_argument(
+        "--methods", nargs="+", default=[m for m in METHODS if m not in DIAGNOSTIC], choices=list(METHODS)
+    )
     parser.add_argument("--outer-lr", type=float, default=0.9, help="T2 outer SGD learning rate (DiLoCo: 0.7)")
     parser.add_argument("--outer-momentum", type=float, default=0.3, help="T2 outer Nesterov momentum (DiLoCo: 0.9)")
     parser.add_argument("--rows-per-batch", type=int, default=8, help="packed rows per batch and rank (96 slots)")

@@ -295,7 +295,7 @@ class RankWatchdog(L.Callback):
                     )
             if lost is None:
                 continue
-            self.lost = f"RankWatchdog (rank {self._rank}): {lost}"
+            self.lost = f"RankWatchdog (rank {self._rank}): {self._first_loss(lost)}"
             print(
                 f"{self.lost}; stopping this rank in {self.grace:g} s unless it fails first",
                 file=sys.stderr,
@@ -360,6 +360,21 @@ class RankWatchdog(L.Callback):
         sys.stderr.flush()
         os._exit(1)
 
+    def _first_loss(self, found: str) -> str:
+        """``found`` posted to the store as the run's first loss, or, when a peer posted one before, that one with
+        ``found`` after it. A survivor that stops for a lost peer is itself lost to the others: without this, they
+        name it instead of the rank that was lost first (a lost node's ranks 2, 3: rank 1 names rank 2 and exits,
+        and rank 0 names rank 1)."""
+        mine = json.dumps({"rank": self._rank, "message": found})
+        try:
+            posted = self._store.compare_set("lost", "", mine)  # (first writer wins)
+        except Exception:  # noqa: BLE001 - the store host may be the lost one: report what this rank found
+            return found
+        if posted.decode() == mine:
+            return found
+        first = json.loads(posted)
+        return f"{first['message']} (found first by rank {first['rank']}; then this rank: {found})"
+
     def _identify(self) -> str | None:
         """Called after a communication error: which peer is gone? Same-host pids at once; else the peer whose counter
         stops moving during 3 heartbeats while this rank keeps its own going."""
@@ -391,7 +406,7 @@ class RankWatchdog(L.Callback):
         ):
             found = self._identify()
             if found is not None:
-                self.lost = f"RankWatchdog (rank {self._rank}): {found}"
+                self.lost = f"RankWatchdog (rank {self._rank}): {self._first_loss(found)}"
         self._store = None
         if self.lost is None:
             return

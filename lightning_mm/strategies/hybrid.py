@@ -352,7 +352,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def _parallelize(self, module: nn.Module, mp_policy) -> ParallelPlan | None:
         """:meth:`parallelize`; returns the plan applied (None: nothing was applied)."""
         dims = self.parallel_dims
-        done, runner = pipeline_setup.parallelized(module, dims.pp, self.pipeline_schedule, self._microbatches())
+        done, runner = pipeline_setup.parallelized(module, dims, self.pipeline_schedule, self._microbatches())
         if done:
             self._pipeline = runner
             return None
@@ -367,7 +367,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             plan.check_degrees({"pp": dims.pp, "tp": dims.tp, "ep": dims.ep, "dp": dims.data_parallel_size()})
         if dims.pp_enabled:
             self._pipeline = self._parallelize_pipeline(module, plan, mp_policy)
-            pipeline_setup.remember_parallelized(module, self._pipeline)
+            pipeline_setup.remember_parallelized(
+                module, dims, self.pipeline_schedule, self._microbatches(), self._pipeline
+            )
             return plan
         if dims.tp_enabled:
             apply_tensor_parallel(module, dims.get_mesh("tp"), self._require_tp_plan(module, plan))
@@ -383,7 +385,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         fsdp_mesh = self._fsdp_mesh()
         if fsdp_mesh is not None:
             self._apply_fsdp(module, blocks, fsdp_mesh, mp_policy)
-        pipeline_setup.remember_parallelized(module, None)
+        pipeline_setup.remember_parallelized(module, dims, self.pipeline_schedule, self._microbatches(), None)
         return plan
 
     def _with_stages(self, module: nn.Module) -> nn.ModuleList:

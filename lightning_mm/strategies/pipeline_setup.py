@@ -83,12 +83,29 @@ def held_model_plan(module: nn.Module, microbatches: int, sequence_parallel: boo
     return plan_of_held_model(module, microbatches=microbatches, sequence_parallel=sequence_parallel)
 
 
-_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[PipelineRunner] | None] = weakref.WeakKeyDictionary()
-"""Modules this process parallelized (a second Trainer reuses them), each with a *weak* reference to its pipeline
-runner (None without pipeline parallelism). Weak, because the runner holds its module (the
-pipeline's loss and stage builders are the module's own): a registry holding it made each entry keep its key alive,
-so every pipelined module stayed in memory for the life of the process, with its stages, its Trainer and the meshes
-of its process groups. The module itself holds its runner (:class:`_HoldsPipelineRunner`)."""
+_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, tuple[dict[str, Any], weakref.ref[PipelineRunner] | None]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Modules this process parallelized (a second Trainer reuses them), each with the layout it was parallelized for
+(:func:`_layout`) and a *weak* reference to its pipeline runner (None without pipeline parallelism). Weak, because
+the runner holds its module (the pipeline's loss and stage builders are the module's own): a registry holding it made
+each entry keep its key alive, so every pipelined module stayed in memory for the life of the process, with its
+stages, its Trainer and the meshes of its process groups. The module itself holds its runner
+(:class:`_HoldsPipelineRunner`)."""
+
+
+def _layout(dims: ParallelDims, schedule: str, microbatches: int) -> dict[str, Any]:
+    """What a parallelized module is cut and sharded for, by the strategy arguments that set it."""
+    layout: dict[str, Any] = {
+        "data_parallel_replicate": dims.dp_replicate,
+        "data_parallel_shard": dims.dp_shard,
+        "tensor_parallel": dims.tp,
+        "expert_parallel": dims.ep,
+        "pipeline_parallel": dims.pp,
+    }
+    if dims.pp > 1:
+        layout.update(pipeline_schedule=schedule, microbatches=microbatches)
+    return layout
 
 
 class _HoldsPipelineRunner:
@@ -113,39 +130,40 @@ class _HoldsPipelineRunner:
         return (_HoldsPipelineRunner, (None,))
 
 
-def remember_parallelized(module: nn.Module, runner: PipelineRunner | None) -> None:
-    """Record that ``module`` is parallelized, and by which pipeline runner (None: no pipeline parallelism)."""
+def remember_parallelized(
+    module: nn.Module, dims: ParallelDims, schedule: str, microbatches: int, runner: PipelineRunner | None
+) -> None:
+    """Record that ``module`` is parallelized for ``dims`` (and, under pipeline parallelism, ``schedule`` and
+    ``microbatches``), and by which pipeline runner (None: no pipeline parallelism)."""
     if runner is not None:
         module.register_forward_pre_hook(_HoldsPipelineRunner(runner))
-    _PARALLELIZED[module] = weakref.ref(runner) if runner is not None else None
+    _PARALLELIZED[module] = (_layout(dims, schedule, microbatches), weakref.ref(runner) if runner is not None else None)
 
 
-def parallelized(module: nn.Module, pp: int, schedule: str, microbatches: int) -> tuple[bool, PipelineRunner | None]:
+def parallelized(
+    module: nn.Module, dims: ParallelDims, schedule: str, microbatches: int
+) -> tuple[bool, PipelineRunner | None]:
     """Whether ``module`` was parallelized in this process, and its pipeline runner (None without pipeline
-    parallelism). A strategy asking for another pipeline (``pp`` stages, ``schedule``, ``microbatches``) than the
-    one the module was split into is refused: the module holds the stages it was cut into."""
+    parallelism). A strategy asking for another layout than the one the module was parallelized for (other degrees,
+    or under pipeline parallelism another schedule or microbatch count) is refused: the module holds the shards and
+    stages it was cut into, and reusing them on another mesh would train on the wrong slices."""
     if module not in _PARALLELIZED:
         return False, None
-    runner_of = _PARALLELIZED[module]
-    if runner_of is None:
-        return True, None
-    runner = runner_of()
-    if runner is None:
+    had, runner_of = _PARALLELIZED[module]
+    runner = runner_of() if runner_of is not None else None
+    if runner_of is not None and runner is None:
         raise RuntimeError(
             f"{type(module).__name__} was split into pipeline stages, and they are gone (its forward pre-hooks were "
             "removed): build the module anew (e.g. from the checkpoint)"
         )
-    had = {
-        "pipeline_parallel": runner.pp_size,
-        "pipeline_schedule": runner.schedule_name,
-        "microbatches": runner.microbatches,
-    }
-    asked = {"pipeline_parallel": pp, "pipeline_schedule": schedule, "microbatches": microbatches}
+    asked = _layout(dims, schedule, microbatches)
     if had != asked:
+        keys = dict.fromkeys([*had, *asked])  # (in order, for a message that reads the same every time)
+        differ = {key: (had.get(key), asked.get(key)) for key in keys if had.get(key) != asked.get(key)}
         raise ValueError(
-            f"{type(module).__name__} is already split into pipeline stages with {had}; this strategy asks for "
-            f"{asked}: give the Trainer the same pipeline arguments, or build the module anew (e.g. from the "
-            "checkpoint)"
+            f"{type(module).__name__} is already parallelized with {had}; this strategy asks for {asked} "
+            f"(differing, as (had, asked): {differ}): give the Trainer the same parallel arguments, or build the "
+            "module anew (e.g. from the checkpoint)"
         )
     return True, runner
 

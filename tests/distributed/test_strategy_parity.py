@@ -83,7 +83,10 @@ META_CONFIGS = ("fsdp2", "fsdp2xtp2")
 
 
 ACCUMULATE = 2
-"""``hsdp2x1`` also trains with ``accumulate_grad_batches=ACCUMULATE`` against a one-process run that accumulates."""
+ACCUMULATE_CONFIGS = ("hsdp2x1", "fsdp2")
+"""These also train with ``accumulate_grad_batches=ACCUMULATE`` against a one-process run that accumulates: HSDP
+all-reduces each micro-batch's gradients across replica groups, FSDP2 reduce-scatters them into the shards each
+micro-batch (the shards then add up)."""
 
 
 def _trainer(world: int, strategy, callbacks, precision: str = "64-true", accumulate: int = 1) -> L.Trainer:
@@ -147,9 +150,10 @@ def _run_configs(rank: int, world: int, names: list[str]) -> dict:
     for name in FLOAT32_CONFIGS:
         if name in names:
             results[f"{name}/float32"] = _fit_reference_vlm(rank, world, dict(CONFIGS[name][1]), "32-true")
-    if "hsdp2x1" in names:
-        kwargs = dict(CONFIGS["hsdp2x1"][1])
-        results[f"hsdp2x1/accumulate{ACCUMULATE}"] = _fit_reference_vlm(rank, world, kwargs, accumulate=ACCUMULATE)
+    for name in ACCUMULATE_CONFIGS:
+        if name in names:
+            kwargs = dict(CONFIGS[name][1])
+            results[f"{name}/accumulate{ACCUMULATE}"] = _fit_reference_vlm(rank, world, kwargs, accumulate=ACCUMULATE)
     return results
 
 
@@ -180,9 +184,11 @@ def test_hybrid_strategy_matches_one_process(name):
     _assert_matches(result, reference)
 
 
-def test_hsdp_gradient_accumulation_matches_one_process():
-    """``accumulate_grad_batches=2`` on 2 replica groups equals one process accumulating the same micro-batches."""
-    result = _parallel_results(2)[f"hsdp2x1/accumulate{ACCUMULATE}"]
+@pytest.mark.parametrize("name", ACCUMULATE_CONFIGS)
+def test_gradient_accumulation_matches_one_process(name):
+    """``accumulate_grad_batches=2`` on 2 replica groups (HSDP) and on 2 FSDP2 shards equals one process
+    accumulating the same micro-batches."""
+    result = _parallel_results(2)[f"{name}/accumulate{ACCUMULATE}"]
     _assert_matches(result, _reference(accumulate=ACCUMULATE), micro_batches=ACCUMULATE)
 
 

@@ -243,9 +243,11 @@ def test_lost_node_stops_the_other_and_resumes_on_one_node(tmp_path):
     nodes[1].wait()
     log = (tmp_path / "node0" / "node0.log").read_text()
     assert code != 0 and stopped < 60, (stopped, log[-3000:])
-    # A survivor names a rank of the lost node. Which survivor sees it first is a race: when rank 1 does and exits,
-    # rank 0 names rank 1 (seen in a CI run: "RankWatchdog (rank 1): lost rank 2", then "(rank 0): lost rank 1").
-    assert re.search(r"RankWatchdog \(rank [01]\): lost rank [23]\b", log), log[-3000:]
+    # Every survivor names a rank of the lost node first. Which survivor sees it first is a race: when rank 1 does and
+    # exits, rank 0 finds rank 1 gone too (a CI run once printed "(rank 1): lost rank 2", then "(rank 0): lost rank 1")
+    # and must still lead with the first loss posted.
+    named = re.findall(r"RankWatchdog \(rank [01]\): lost rank (\d)", log)
+    assert named and set(named) <= {"2", "3"}, log[-3000:]
 
     complete = [p for p in checkpoints.glob("*.ckpt") if (p / "COMPLETE").exists()]
     last = max(complete, key=lambda p: int(p.name.split("step=")[1].split(".")[0]))

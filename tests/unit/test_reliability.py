@@ -333,3 +333,20 @@ def test_watchdog_names_dead_and_silent_peers_but_not_finished_ones():
     assert watchdog._identify() == "lost rank 2: heartbeat stopped"
     store.add("beat/2", _DONE)
     assert watchdog._identify() is None
+
+
+def test_watchdog_survivors_name_the_rank_lost_first():
+    """A survivor that stops for a lost peer is lost to the others in turn: each names the first loss posted (a
+    lost node's ranks 2, 3: rank 1 finds rank 2 and exits; rank 0 then finds rank 1 and must still name rank 2)."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    first, second = RankWatchdog(), RankWatchdog()
+    first._store, first._rank = store, 1
+    second._store, second._rank = store, 0
+    assert first._first_loss("lost rank 2: heartbeat stopped") == "lost rank 2: heartbeat stopped"
+    assert second._first_loss("lost rank 1: heartbeat stopped") == (
+        "lost rank 2: heartbeat stopped (found first by rank 1; then this rank: lost rank 1: heartbeat stopped)"
+    )
+    assert first._first_loss("lost rank 3: heartbeat stopped").startswith("lost rank 2: heartbeat stopped")
+    broken = RankWatchdog()
+    broken._store, broken._rank = None, 0  # no store to ask (its host lost): what this rank found
+    assert broken._first_loss("lost rank 0, which hosts the store") == "lost rank 0, which hosts the store"

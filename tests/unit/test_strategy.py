@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_mm.models import VLMModule
+from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.strategies import HybridParallelStrategy, pipeline_setup
 from tests.helpers import random_samples, run_distributed, shard_batches
 
@@ -88,25 +89,32 @@ def _failing_fits(rank: int, world: int) -> dict[str, str]:
             vlm_batches,
         ),
     }
+    # a module a first Trainer sharded (FSDP2 over both ranks), then given to a Trainer asking for another layout
+    relaid = _PlainUserModule()
+    _one_step_trainer(HybridParallelStrategy(), world, "32-true").fit(relaid, user_batches)
+    cases["relaid"] = (lambda: relaid, HybridParallelStrategy(tensor_parallel=2), "32-true", user_batches)
     messages = {}
     for name, (make_module, strategy, precision, loader) in cases.items():
-        trainer = L.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=world,
-            precision=precision,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            max_steps=1,
-        )
         try:
-            trainer.fit(make_module(), loader)
+            _one_step_trainer(strategy, world, precision).fit(make_module(), loader)
             messages[name] = "no error"
         except ValueError as error:
             messages[name] = str(error)
     return messages
+
+
+def _one_step_trainer(strategy: HybridParallelStrategy, world: int, precision: str) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=1,
+    )
 
 
 @functools.cache
@@ -121,6 +129,10 @@ def _messages() -> dict[str, str]:
         ("no_plan", r"tensor_parallel=2 needs a plan.*tp_plan="),
         ("pattern", r"TP plan pattern 'net.9' matches nothing.*closest module names"),
         ("heads", r"tensor_parallel=2 must divide .*heads=1"),
+        (
+            "relaid",
+            r"_PlainUserModule is already parallelized with .*'data_parallel_shard': \(2, 1\), 'tensor_parallel'",
+        ),
     ],
 )
 def test_errors_name_the_fix(case, expected):
@@ -132,18 +144,19 @@ def test_a_pipelined_module_holds_its_runner_and_copies_hold_nothing():
     """The module owns its pipeline runner (a do-nothing forward pre-hook; the registry refers to it weakly): they
     are freed together, and a pickled or deep-copied module carries a hook that holds nothing."""
 
-    class Runner:  # what the registry checks of a PipelineRunner
-        pp_size, schedule_name, microbatches = 2, "1F1B", 4
+    class Runner:  # what the registry keeps of a PipelineRunner
+        pass
 
+    pp2 = ParallelDims(pp=2, world_size=2)
     module, runner = torch.nn.Linear(2, 2), Runner()
-    pipeline_setup.remember_parallelized(module, runner)
-    assert pipeline_setup.parallelized(module, 2, "1F1B", 4) == (True, runner)
-    with pytest.raises(ValueError, match="'microbatches': 4.*'microbatches': 8"):
-        pipeline_setup.parallelized(module, 2, "1F1B", 8)
+    pipeline_setup.remember_parallelized(module, pp2, "1F1B", 4, runner)
+    assert pipeline_setup.parallelized(module, pp2, "1F1B", 4) == (True, runner)
+    with pytest.raises(ValueError, match=r"'microbatches': 4.*'microbatches': 8.*'microbatches': \(4, 8\)"):
+        pipeline_setup.parallelized(module, pp2, "1F1B", 8)
     for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
         (hook,) = copied._forward_pre_hooks.values()
         assert hook.runner is None
-        assert pipeline_setup.parallelized(copied, 2, "1F1B", 4) == (False, None)
+        assert pipeline_setup.parallelized(copied, pp2, "1F1B", 4) == (False, None)
     x = torch.ones(1, 2)
     assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias))  # the hook does nothing
     runner_ref = weakref.ref(runner)
@@ -157,15 +170,28 @@ def test_a_pipelined_module_holds_its_runner_and_copies_hold_nothing():
 
 def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages_gone():
     class Runner:
-        pp_size, schedule_name, microbatches = 2, "1F1B", 4
+        pass
 
+    tp2, pp2 = ParallelDims(tp=2, world_size=2), ParallelDims(pp=2, world_size=2)
     plain, pipelined = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    assert pipeline_setup.parallelized(plain, 1, "1F1B", 1) == (False, None)
-    pipeline_setup.remember_parallelized(plain, None)
-    assert pipeline_setup.parallelized(plain, 1, "1F1B", 1) == (True, None)
+    assert pipeline_setup.parallelized(plain, tp2, "1F1B", 1) == (False, None)
+    pipeline_setup.remember_parallelized(plain, tp2, "1F1B", 1, None)
+    assert pipeline_setup.parallelized(plain, tp2, "1F1B", 1) == (True, None)
+    assert pipeline_setup.parallelized(plain, tp2, "GPipe", 8) == (True, None)  # no pipeline: its arguments unused
     assert not plain._forward_pre_hooks  # nothing to hold
-    pipeline_setup.remember_parallelized(pipelined, Runner())
+    # parallelized for one layout, given to a strategy with another: refused, naming what differs (a module
+    # parallelized without a pipeline and then given pipeline_parallel=2 used to pass as done)
+    for other, differing in (
+        (pp2, r"'tensor_parallel': \(2, 1\), 'pipeline_parallel': \(1, 2\)"),
+        (ParallelDims(dp_shard=2, world_size=2), r"'data_parallel_shard': \(1, 2\)"),
+        (ParallelDims(dp_replicate=2, world_size=2), r"'data_parallel_replicate': \(1, 2\)"),
+    ):
+        with pytest.raises(ValueError, match=r"Linear is already parallelized with .*" + differing):
+            pipeline_setup.parallelized(plain, other, "1F1B", 2)
+    pipeline_setup.remember_parallelized(pipelined, pp2, "1F1B", 4, Runner())
+    with pytest.raises(ValueError, match=r"'pipeline_parallel': \(2, 1\)"):
+        pipeline_setup.parallelized(pipelined, ParallelDims(dp_shard=2, world_size=2), "1F1B", 4)
     pipelined._forward_pre_hooks.clear()  # the hook that held the stages, removed by hand
     gc.collect()
     with pytest.raises(RuntimeError, match="split into pipeline stages, and they are gone"):
-        pipeline_setup.parallelized(pipelined, 2, "1F1B", 4)
+        pipeline_setup.parallelized(pipelined, pp2, "1F1B", 4)
