@@ -161,6 +161,9 @@ class RankWatchdog(L.Callback):
         self.grace = grace
         self.lost: str | None = None
         """The message naming the lost rank, once one is found."""
+        self._posted: dict[str, Any] | None = None  # the first loss a rank posted in the store, once seen
+        self._store_failing = False  # the loss found is the store's host: do not wait on it again
+        self._hosts_store = False  # the store lives in this process (rank 0 under env:// rendezvous)
         self._store = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -201,6 +204,7 @@ class RankWatchdog(L.Callback):
             if agent_store
             else f"rank 0, which hosts the rendezvous store at {host}:{port}"
         )
+        self._hosts_store = not agent_store and _rank() == 0
         RankWatchdog._fits += 1
         prefix = f"lightning_mm/rank_watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{RankWatchdog._fits}/"
         # The timeout bounds the wait for the peers' info below (ranks reach setup after their DataModule's setup) and
@@ -221,6 +225,7 @@ class RankWatchdog(L.Callback):
 
     def _start(self) -> None:
         self.lost = None
+        self._posted, self._store_failing = None, False
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="lightning_mm-rank-watchdog", daemon=True)
         self._thread.start()
@@ -271,6 +276,7 @@ class RankWatchdog(L.Callback):
             if self._store is None:
                 continue  # one process: nothing else to watch
             self._follow_stop_of_peer()  # returns only when no peer stopped the run
+            self._read_posted_loss()
             lost = None
             try:
                 beats = self._beats()
@@ -279,7 +285,7 @@ class RankWatchdog(L.Callback):
                 # healthy run. A dead store host also breaks the collectives, and on_exception names it at once.
                 failing_since = failing_since if failing_since is not None else time.monotonic()
                 if time.monotonic() - failing_since > self.peer_timeout:
-                    lost = f"lost {self._store_desc}: it stopped answering ({type(err).__name__}: {err})"
+                    lost = self._store_lost(err)
             else:
                 failing_since = None
                 now = time.monotonic()
@@ -310,6 +316,7 @@ class RankWatchdog(L.Callback):
                 flush=True,
             )
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            self._wait_until_peers_read_the_loss()
             os._exit(1)
 
     # ------------------------------------------------------------------------- stopping every rank (watch())
@@ -360,20 +367,55 @@ class RankWatchdog(L.Callback):
         sys.stderr.flush()
         os._exit(1)
 
+    def _store_lost(self, err: Exception) -> str:
+        """The store stopped answering: its host is the loss (and the store is not asked again)."""
+        self._store_failing = True
+        return f"lost {self._store_desc}: it stopped answering ({type(err).__name__}: {err})"
+
+    def _read_posted_loss(self) -> None:
+        """Keep the first loss a peer posted (:meth:`_first_loss`), so that it can still be named once the store is
+        gone with its host (rank 0 under env:// rendezvous)."""
+        if self._posted is not None:
+            return
+        try:
+            if self._store.check(["lost"]):
+                self._posted = json.loads(self._store.get("lost"))
+                self._store.add("lost/read", 1)
+        except Exception:  # noqa: BLE001 - a store failure is judged by the heartbeat
+            pass
+
     def _first_loss(self, found: str) -> str:
-        """``found`` posted to the store as the run's first loss, or, when a peer posted one before, that one with
+        """``found`` posted to the store as the run's first loss; or, when a rank posted one before, that one with
         ``found`` after it. A survivor that stops for a lost peer is itself lost to the others: without this, they
         name it instead of the rank that was lost first (a lost node's ranks 2, 3: rank 1 names rank 2 and exits,
         and rank 0 names rank 1)."""
-        mine = json.dumps({"rank": self._rank, "message": found})
+        mine = {"rank": self._rank, "message": found}
+        if not self._store_failing:
+            try:
+                self._posted = json.loads(self._store.compare_set("lost", "", json.dumps(mine)))  # first writer wins
+            except Exception:  # noqa: BLE001 - the store host may be the lost one: what was read of it before
+                pass
+        first = self._posted
+        if first is None or first == mine:
+            return found
+        mine_first = first["rank"] == self._rank
+        by = "this rank" if mine_first else f"rank {first['rank']}"
+        then = "" if first["message"] == found else f"; then{'' if mine_first else ' this rank'}: {found}"
+        return f"{first['message']} (found first by {by}{then})"
+
+    def _wait_until_peers_read_the_loss(self) -> None:
+        """When the store lives in this process, give the peers a few heartbeats to read the loss this rank posted
+        before the process (and the store with it) goes."""
+        if not self._hosts_store or self._store_failing or self._posted is None:
+            return
+        if self._posted.get("rank") != self._rank:
+            return
+        deadline = time.monotonic() + max(3 * self.heartbeat_interval, 2.0)
         try:
-            posted = self._store.compare_set("lost", "", mine)  # (first writer wins)
-        except Exception:  # noqa: BLE001 - the store host may be the lost one: report what this rank found
-            return found
-        if posted.decode() == mine:
-            return found
-        first = json.loads(posted)
-        return f"{first['message']} (found first by rank {first['rank']}; then this rank: {found})"
+            while self._store.add("lost/read", 0) < len(self._peers) and time.monotonic() < deadline:
+                time.sleep(self.heartbeat_interval / 4)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
 
     def _identify(self) -> str | None:
         """Called after a communication error: which peer is gone? Same-host pids at once; else the peer whose counter
@@ -381,7 +423,7 @@ class RankWatchdog(L.Callback):
         try:
             first = self._beats()
         except Exception as err:  # noqa: BLE001
-            return f"lost {self._store_desc}: it stopped answering ({type(err).__name__}: {err})"
+            return self._store_lost(err)
         found, latest = self._dead_on_this_host(first), first
         deadline = time.monotonic() + 3 * self.heartbeat_interval
         while found is None and time.monotonic() < deadline:
@@ -389,7 +431,7 @@ class RankWatchdog(L.Callback):
             try:
                 latest = self._beats()
             except Exception as err:  # noqa: BLE001
-                return f"lost {self._store_desc}: it stopped answering ({type(err).__name__}: {err})"
+                return self._store_lost(err)
             found = self._dead_on_this_host(latest)
         if found is None:
             still = [r for r in self._peers if latest[r] == first[r] and first[r] < _DONE]
@@ -407,6 +449,8 @@ class RankWatchdog(L.Callback):
             found = self._identify()
             if found is not None:
                 self.lost = f"RankWatchdog (rank {self._rank}): {self._first_loss(found)}"
+        if self.lost is not None:
+            self._wait_until_peers_read_the_loss()
         self._store = None
         if self.lost is None:
             return

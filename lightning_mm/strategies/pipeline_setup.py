@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
 import torch
@@ -94,20 +94,6 @@ stages, its Trainer and the meshes of its process groups. The module itself hold
 (:class:`_HoldsPipelineRunner`)."""
 
 
-def _layout(dims: ParallelDims, schedule: str, microbatches: int) -> dict[str, Any]:
-    """What a parallelized module is cut and sharded for, by the strategy arguments that set it."""
-    layout: dict[str, Any] = {
-        "data_parallel_replicate": dims.dp_replicate,
-        "data_parallel_shard": dims.dp_shard,
-        "tensor_parallel": dims.tp,
-        "expert_parallel": dims.ep,
-        "pipeline_parallel": dims.pp,
-    }
-    if dims.pp > 1:
-        layout.update(pipeline_schedule=schedule, microbatches=microbatches)
-    return layout
-
-
 class _HoldsPipelineRunner:
     """A forward pre-hook that does nothing when the module runs: it is how a pipelined module holds its runner, so
     that the two live exactly as long as each other, whichever Trainer split the module.
@@ -130,23 +116,21 @@ class _HoldsPipelineRunner:
         return (_HoldsPipelineRunner, (None,))
 
 
-def remember_parallelized(
-    module: nn.Module, dims: ParallelDims, schedule: str, microbatches: int, runner: PipelineRunner | None
-) -> None:
-    """Record that ``module`` is parallelized for ``dims`` (and, under pipeline parallelism, ``schedule`` and
-    ``microbatches``), and by which pipeline runner (None: no pipeline parallelism)."""
+def remember_parallelized(module: nn.Module, layout: Mapping[str, Any], runner: PipelineRunner | None) -> None:
+    """Record that ``module`` is parallelized for ``layout`` (the strategy arguments that decide how it is cut and
+    sharded, by name), and by which pipeline runner (None: no pipeline parallelism)."""
     if runner is not None:
         module.register_forward_pre_hook(_HoldsPipelineRunner(runner))
-    _PARALLELIZED[module] = (_layout(dims, schedule, microbatches), weakref.ref(runner) if runner is not None else None)
+    _PARALLELIZED[module] = (dict(layout), weakref.ref(runner) if runner is not None else None)
 
 
 def parallelized(
-    module: nn.Module, dims: ParallelDims, schedule: str, microbatches: int
+    module: nn.Module, layout: Mapping[str, Any], unchecked: Collection[str] = ()
 ) -> tuple[bool, PipelineRunner | None]:
     """Whether ``module`` was parallelized in this process, and its pipeline runner (None without pipeline
-    parallelism). A strategy asking for another layout than the one the module was parallelized for (other degrees,
-    or under pipeline parallelism another schedule or microbatch count) is refused: the module holds the shards and
-    stages it was cut into, and reusing them on another mesh would train on the wrong slices."""
+    parallelism). A strategy asking for another ``layout`` than the one the module was parallelized for (the keys
+    in ``unchecked`` aside) is refused: the module holds the shards and stages it was cut into, and reusing them for
+    another layout would train on the wrong slices, or without the gradient averaging the strategy reports."""
     if module not in _PARALLELIZED:
         return False, None
     had, runner_of = _PARALLELIZED[module]
@@ -156,13 +140,12 @@ def parallelized(
             f"{type(module).__name__} was split into pipeline stages, and they are gone (its forward pre-hooks were "
             "removed): build the module anew (e.g. from the checkpoint)"
         )
-    asked = _layout(dims, schedule, microbatches)
-    if had != asked:
-        keys = dict.fromkeys([*had, *asked])  # (in order, for a message that reads the same every time)
-        differ = {key: (had.get(key), asked.get(key)) for key in keys if had.get(key) != asked.get(key)}
+    keys = [key for key in dict.fromkeys([*had, *layout]) if key not in unchecked]  # (in order: a stable message)
+    differ = {key: (had.get(key), layout.get(key)) for key in keys if had.get(key) != layout.get(key)}
+    if differ:
         raise ValueError(
-            f"{type(module).__name__} is already parallelized with {had}; this strategy asks for {asked} "
-            f"(differing, as (had, asked): {differ}): give the Trainer the same parallel arguments, or build the "
+            f"{type(module).__name__} is already parallelized with {had}; this strategy asks for {dict(layout)}, "
+            f"differing in {differ} (as (had, asked)): give the Trainer the same parallel arguments, or build the "
             "module anew (e.g. from the checkpoint)"
         )
     return True, runner

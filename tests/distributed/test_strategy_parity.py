@@ -169,7 +169,7 @@ def _parallel_results(world: int) -> dict:
 
 
 # Time: the first configuration of each world size pays for its cached launch, the later ones take ~0 s: fsdp2 for the
-# 2-rank one (12 fits) and the in-process reference, fsdp2xtp2 for the 4-rank one (3 fits of 5 float64 steps on 4 ranks
+# 2-rank one (13 fits) and the in-process reference, fsdp2xtp2 for the 4-rank one (3 fits of 5 float64 steps on 4 ranks
 # sharing 2 cores). One launch per world size is already the minimum; 5 steps give AdamW and clipping several updates.
 @pytest.mark.parametrize("name", list(CONFIGS) + [f"{name}/meta" for name in META_CONFIGS])
 def test_hybrid_strategy_matches_one_process(name):

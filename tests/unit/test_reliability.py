@@ -339,14 +339,39 @@ def test_watchdog_survivors_name_the_rank_lost_first():
     """A survivor that stops for a lost peer is lost to the others in turn: each names the first loss posted (a
     lost node's ranks 2, 3: rank 1 finds rank 2 and exits; rank 0 then finds rank 1 and must still name rank 2)."""
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    first, second = RankWatchdog(), RankWatchdog()
-    first._store, first._rank = store, 1
-    second._store, second._rank = store, 0
+    first, second, third = RankWatchdog(), RankWatchdog(), RankWatchdog()
+    for watchdog, rank in ((first, 1), (second, 0), (third, 3)):
+        watchdog._store, watchdog._rank, watchdog._peers = store, rank, [r for r in range(4) if r != rank]
+    third._read_posted_loss()
+    assert third._posted is None  # nothing posted yet
     assert first._first_loss("lost rank 2: heartbeat stopped") == "lost rank 2: heartbeat stopped"
     assert second._first_loss("lost rank 1: heartbeat stopped") == (
         "lost rank 2: heartbeat stopped (found first by rank 1; then this rank: lost rank 1: heartbeat stopped)"
     )
-    assert first._first_loss("lost rank 3: heartbeat stopped").startswith("lost rank 2: heartbeat stopped")
-    broken = RankWatchdog()
-    broken._store, broken._rank = None, 0  # no store to ask (its host lost): what this rank found
-    assert broken._first_loss("lost rank 0, which hosts the store") == "lost rank 0, which hosts the store"
+    assert (
+        second._first_loss("lost rank 2: heartbeat stopped") == "lost rank 2: heartbeat stopped (found first by rank 1)"
+    )
+    assert first._first_loss("lost rank 3: heartbeat stopped") == (
+        "lost rank 2: heartbeat stopped (found first by this rank; then: lost rank 3: heartbeat stopped)"
+    )
+    # a rank that read the posted loss still names it once the store (and rank 0 hosting it) is gone
+    third._read_posted_loss()
+    assert int(store.add("lost/read", 0)) == 1
+    third._store, third._store_desc = None, "rank 0, which hosts the rendezvous store at here:1"
+    message = third._first_loss(third._store_lost(ConnectionError("reset")))
+    assert message.startswith("lost rank 2: heartbeat stopped (found first by rank 1; then this rank: lost rank 0")
+    assert third._store_failing  # the store is not asked again: a frozen host would block for its timeout
+    alone = RankWatchdog()
+    alone._store, alone._rank = None, 0  # nothing read before the store went: what this rank found
+    assert alone._first_loss("lost rank 0, which hosts the store") == "lost rank 0, which hosts the store"
+    # the rank whose process hosts the store (rank 0 under env://) lets its peers read its loss before it exits
+    host = RankWatchdog(heartbeat_interval=0.05)
+    host._store, host._rank, host._peers, host._hosts_store = store, 1, [0, 2, 3], True
+    host._posted = {"rank": 1, "message": "lost rank 2: heartbeat stopped"}
+    started = time.monotonic()
+    host._wait_until_peers_read_the_loss()  # one of three read it (above): waits for the others, up to 2 s
+    assert 1.9 < time.monotonic() - started < 5
+    store.add("lost/read", 2)
+    started = time.monotonic()
+    host._wait_until_peers_read_the_loss()
+    assert time.monotonic() - started < 0.5  # all three have read it

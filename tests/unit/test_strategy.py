@@ -147,16 +147,16 @@ def test_a_pipelined_module_holds_its_runner_and_copies_hold_nothing():
     class Runner:  # what the registry keeps of a PipelineRunner
         pass
 
-    pp2 = ParallelDims(pp=2, world_size=2)
+    pp2 = {"pipeline_parallel": 2, "pipeline_schedule": "1F1B", "microbatches": 4}
     module, runner = torch.nn.Linear(2, 2), Runner()
-    pipeline_setup.remember_parallelized(module, pp2, "1F1B", 4, runner)
-    assert pipeline_setup.parallelized(module, pp2, "1F1B", 4) == (True, runner)
+    pipeline_setup.remember_parallelized(module, pp2, runner)
+    assert pipeline_setup.parallelized(module, pp2) == (True, runner)
     with pytest.raises(ValueError, match=r"'microbatches': 4.*'microbatches': 8.*'microbatches': \(4, 8\)"):
-        pipeline_setup.parallelized(module, pp2, "1F1B", 8)
+        pipeline_setup.parallelized(module, {**pp2, "microbatches": 8})
     for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
         (hook,) = copied._forward_pre_hooks.values()
         assert hook.runner is None
-        assert pipeline_setup.parallelized(copied, pp2, "1F1B", 4) == (False, None)
+        assert pipeline_setup.parallelized(copied, pp2) == (False, None)
     x = torch.ones(1, 2)
     assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias))  # the hook does nothing
     runner_ref = weakref.ref(runner)
@@ -172,26 +172,40 @@ def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages
     class Runner:
         pass
 
-    tp2, pp2 = ParallelDims(tp=2, world_size=2), ParallelDims(pp=2, world_size=2)
+    def layout(**strategy_arguments) -> dict:  # what HybridParallelStrategy records, on 2 ranks
+        strategy = HybridParallelStrategy(**strategy_arguments)
+        strategy._dims = ParallelDims.from_args(2, **strategy.options.degrees)  # (what setup_environment does)
+        return strategy._layout()
+
+    tp2, pp2 = layout(tensor_parallel=2), layout(pipeline_parallel=2, pipeline_split=["1"])
     plain, pipelined = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    assert pipeline_setup.parallelized(plain, tp2, "1F1B", 1) == (False, None)
-    pipeline_setup.remember_parallelized(plain, tp2, "1F1B", 1, None)
-    assert pipeline_setup.parallelized(plain, tp2, "1F1B", 1) == (True, None)
-    assert pipeline_setup.parallelized(plain, tp2, "GPipe", 8) == (True, None)  # no pipeline: its arguments unused
+    assert pipeline_setup.parallelized(plain, tp2) == (False, None)
+    pipeline_setup.remember_parallelized(plain, tp2, None)
+    assert pipeline_setup.parallelized(plain, tp2) == (True, None)
+    assert pipeline_setup.parallelized(plain, layout(tensor_parallel=2, microbatches=8)) == (True, None)  # no PP
     assert not plain._forward_pre_hooks  # nothing to hold
     # parallelized for one layout, given to a strategy with another: refused, naming what differs (a module
     # parallelized without a pipeline and then given pipeline_parallel=2 used to pass as done)
     for other, differing in (
-        (pp2, r"'tensor_parallel': \(2, 1\), 'pipeline_parallel': \(1, 2\)"),
-        (ParallelDims(dp_shard=2, world_size=2), r"'data_parallel_shard': \(1, 2\)"),
-        (ParallelDims(dp_replicate=2, world_size=2), r"'data_parallel_replicate': \(1, 2\)"),
+        (pp2, r"'tensor_parallel': \(2, 1\), 'pipeline_parallel': \(1, 2\), 'pipeline_schedule'"),
+        (layout(), r"'data_parallel_shard': \(1, 2\), 'tensor_parallel': \(2, 1\)"),
+        (layout(data_parallel_replicate=2), r"'data_parallel_replicate': \(1, 2\)"),
     ):
-        with pytest.raises(ValueError, match=r"Linear is already parallelized with .*" + differing):
-            pipeline_setup.parallelized(plain, other, "1F1B", 2)
-    pipeline_setup.remember_parallelized(pipelined, pp2, "1F1B", 4, Runner())
+        with pytest.raises(ValueError, match=r"Linear is already parallelized with .*differing in \{" + differing):
+            pipeline_setup.parallelized(plain, other)
+    # replicas synchronised by ReplicaSync (no gradient averaging each step): only training tells the layouts apart
+    replicas = torch.nn.Linear(2, 2)
+    pipeline_setup.remember_parallelized(
+        replicas, layout(data_parallel_replicate=2, sync_replicas_every_step=False), None
+    )
+    with pytest.raises(ValueError, match=r"'sync_replicas_every_step': \(False, True\)"):
+        pipeline_setup.parallelized(replicas, layout(data_parallel_replicate=2))
+    unchecked = ("sync_replicas_every_step",)
+    assert pipeline_setup.parallelized(replicas, layout(data_parallel_replicate=2), unchecked) == (True, None)
+    pipeline_setup.remember_parallelized(pipelined, pp2, Runner())
     with pytest.raises(ValueError, match=r"'pipeline_parallel': \(2, 1\)"):
-        pipeline_setup.parallelized(pipelined, ParallelDims(dp_shard=2, world_size=2), "1F1B", 4)
+        pipeline_setup.parallelized(pipelined, layout())
     pipelined._forward_pre_hooks.clear()  # the hook that held the stages, removed by hand
     gc.collect()
     with pytest.raises(RuntimeError, match="split into pipeline stages, and they are gone"):
-        pipeline_setup.parallelized(pipelined, pp2, "1F1B", 4)
+        pipeline_setup.parallelized(pipelined, pp2)
