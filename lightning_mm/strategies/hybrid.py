@@ -349,35 +349,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._parallelize(module, mp_policy)
         return module
 
-    def _layout(self) -> dict[str, Any]:
-        """What a module this strategy parallelizes is cut and sharded for: the arguments that decide it, by name."""
-        dims = self.parallel_dims
-        layout: dict[str, Any] = {
-            "data_parallel_replicate": dims.dp_replicate,
-            "data_parallel_shard": dims.dp_shard,
-            "tensor_parallel": dims.tp,
-            "expert_parallel": dims.ep,
-            "pipeline_parallel": dims.pp,
-        }
-        if dims.ep > 1:  # (experts are stored in the placement's order; checkpoints record it)
-            layout["expert_placement"] = self.expert_placement
-        if dims.dp_replicate > 1:  # (FSDP2 averages over the replicas, or ReplicaSync does)
-            layout["sync_replicas_every_step"] = self.sync_replicas_every_step
-        if dims.pp > 1:
-            layout.update(
-                pipeline_schedule=self.pipeline_schedule,
-                microbatches=self._microbatches(),
-                virtual_stages=self.virtual_stages,
-            )
-        return layout
-
     def _parallelize(self, module: nn.Module, mp_policy, fitting: bool = True) -> ParallelPlan | None:
         """:meth:`parallelize`; returns the plan applied (None: nothing was applied). ``fitting``: for training."""
-        dims = self.parallel_dims
-        # Whether replicas average gradients each step matters to training only: a module fit with ReplicaSync may
-        # be validated by a Trainer without it.
-        unchecked = () if fitting else ("sync_replicas_every_step",)
-        done, runner = pipeline_setup.parallelized(module, self._layout(), unchecked)
+        dims, placement, sync = self.parallel_dims, self.expert_placement, self.sync_replicas_every_step
+        layout = pipeline_setup.layout(
+            dims, placement, sync, self.pipeline_schedule, self._microbatches(), self.virtual_stages
+        )
+        done, runner = pipeline_setup.parallelized(module, layout, fitting)
         if done:
             self._pipeline = runner
             return None
@@ -392,7 +370,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             plan.check_degrees({"pp": dims.pp, "tp": dims.tp, "ep": dims.ep, "dp": dims.data_parallel_size()})
         if dims.pp_enabled:
             self._pipeline = self._parallelize_pipeline(module, plan, mp_policy)
-            pipeline_setup.remember_parallelized(module, self._layout(), self._pipeline)
+            pipeline_setup.remember_parallelized(module, layout, self._pipeline)
             return plan
         if dims.tp_enabled:
             apply_tensor_parallel(module, dims.get_mesh("tp"), self._require_tp_plan(module, plan))
@@ -408,7 +386,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         fsdp_mesh = self._fsdp_mesh()
         if fsdp_mesh is not None:
             self._apply_fsdp(module, blocks, fsdp_mesh, mp_policy)
-        pipeline_setup.remember_parallelized(module, self._layout(), None)
+        pipeline_setup.remember_parallelized(module, layout, None)
         return plan
 
     def _with_stages(self, module: nn.Module) -> nn.ModuleList:

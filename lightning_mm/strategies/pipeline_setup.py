@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "build_pipeline",
     "check_pipeline_precision",
     "held_model_plan",
+    "layout",
     "parallelized",
     "pipeline_spec",
     "pipeline_split",
@@ -116,6 +117,32 @@ class _HoldsPipelineRunner:
         return (_HoldsPipelineRunner, (None,))
 
 
+def layout(
+    dims: ParallelDims,
+    expert_placement: str,
+    sync_replicas_every_step: bool,
+    schedule: str,
+    microbatches: int,
+    virtual_stages: int,
+) -> dict[str, Any]:
+    """What a module is cut and sharded for: the strategy arguments that decide it, by name (those that only matter
+    with their axis in use are left out without it)."""
+    described: dict[str, Any] = {
+        "data_parallel_replicate": dims.dp_replicate,
+        "data_parallel_shard": dims.dp_shard,
+        "tensor_parallel": dims.tp,
+        "expert_parallel": dims.ep,
+        "pipeline_parallel": dims.pp,
+    }
+    if dims.ep > 1:  # (experts are stored in the placement's order; checkpoints record it)
+        described["expert_placement"] = expert_placement
+    if dims.dp_replicate > 1:  # (FSDP2 averages over the replicas, or ReplicaSync does)
+        described["sync_replicas_every_step"] = sync_replicas_every_step
+    if dims.pp > 1:
+        described.update(pipeline_schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
+    return described
+
+
 def remember_parallelized(module: nn.Module, layout: Mapping[str, Any], runner: PipelineRunner | None) -> None:
     """Record that ``module`` is parallelized for ``layout`` (the strategy arguments that decide how it is cut and
     sharded, by name), and by which pipeline runner (None: no pipeline parallelism)."""
@@ -125,12 +152,15 @@ def remember_parallelized(module: nn.Module, layout: Mapping[str, Any], runner: 
 
 
 def parallelized(
-    module: nn.Module, layout: Mapping[str, Any], unchecked: Collection[str] = ()
+    module: nn.Module, layout: Mapping[str, Any], fitting: bool = True
 ) -> tuple[bool, PipelineRunner | None]:
     """Whether ``module`` was parallelized in this process, and its pipeline runner (None without pipeline
-    parallelism). A strategy asking for another ``layout`` than the one the module was parallelized for (the keys
-    in ``unchecked`` aside) is refused: the module holds the shards and stages it was cut into, and reusing them for
-    another layout would train on the wrong slices, or without the gradient averaging the strategy reports."""
+    parallelism). A strategy asking for another ``layout`` (:func:`layout`) than the one the module was parallelized
+    for is refused: the module holds the shards and stages it was cut into, and reusing them for another layout
+    would train on the wrong slices, or without the gradient averaging the strategy reports. Whether replicas
+    average gradients every step matters to training only (``fitting``): a module fit with ``ReplicaSync`` may be
+    validated by a Trainer without it."""
+    unchecked = () if fitting else ("sync_replicas_every_step",)
     if module not in _PARALLELIZED:
         return False, None
     had, runner_of = _PARALLELIZED[module]

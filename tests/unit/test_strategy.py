@@ -174,8 +174,15 @@ def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages
 
     def layout(**strategy_arguments) -> dict:  # what HybridParallelStrategy records, on 2 ranks
         strategy = HybridParallelStrategy(**strategy_arguments)
-        strategy._dims = ParallelDims.from_args(2, **strategy.options.degrees)  # (what setup_environment does)
-        return strategy._layout()
+        dims = ParallelDims.from_args(2, **strategy.options.degrees)
+        return pipeline_setup.layout(
+            dims,
+            strategy.expert_placement,
+            strategy.sync_replicas_every_step,
+            strategy.pipeline_schedule,
+            strategy.microbatches or 2,
+            strategy.virtual_stages,
+        )
 
     tp2, pp2 = layout(tensor_parallel=2), layout(pipeline_parallel=2, pipeline_split=["1"])
     plain, pipelined = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
@@ -200,8 +207,7 @@ def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages
     )
     with pytest.raises(ValueError, match=r"'sync_replicas_every_step': \(False, True\)"):
         pipeline_setup.parallelized(replicas, layout(data_parallel_replicate=2))
-    unchecked = ("sync_replicas_every_step",)
-    assert pipeline_setup.parallelized(replicas, layout(data_parallel_replicate=2), unchecked) == (True, None)
+    assert pipeline_setup.parallelized(replicas, layout(data_parallel_replicate=2), fitting=False) == (True, None)
     pipeline_setup.remember_parallelized(pipelined, pp2, Runner())
     with pytest.raises(ValueError, match=r"'pipeline_parallel': \(2, 1\)"):
         pipeline_setup.parallelized(pipelined, layout())
