@@ -276,7 +276,6 @@ class RankWatchdog(L.Callback):
             if self._store is None:
                 continue  # one process: nothing else to watch
             self._follow_stop_of_peer()  # returns only when no peer stopped the run
-            self._read_posted_loss()
             lost = None
             try:
                 beats = self._beats()
@@ -288,6 +287,7 @@ class RankWatchdog(L.Callback):
                     lost = self._store_lost(err)
             else:
                 failing_since = None
+                self._read_posted_loss()  # (only while the store answers: a frozen host blocks each call)
                 now = time.monotonic()
                 for r, value in beats.items():
                     if value != last.get(r):
@@ -316,8 +316,7 @@ class RankWatchdog(L.Callback):
                 flush=True,
             )
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            self._wait_until_peers_read_the_loss()
-            os._exit(1)
+            os._exit(1)  # (the grace above gave the peers heartbeats to read the loss this rank posted)
 
     # ------------------------------------------------------------------------- stopping every rank (watch())
 
@@ -380,7 +379,6 @@ class RankWatchdog(L.Callback):
         try:
             if self._store.check(["lost"]):
                 self._posted = json.loads(self._store.get("lost"))
-                self._store.add("lost/read", 1)
         except Exception:  # noqa: BLE001 - a store failure is judged by the heartbeat
             pass
 
@@ -403,19 +401,12 @@ class RankWatchdog(L.Callback):
         then = "" if first["message"] == found else f"; then{'' if mine_first else ' this rank'}: {found}"
         return f"{first['message']} (found first by {by}{then})"
 
-    def _wait_until_peers_read_the_loss(self) -> None:
-        """When the store lives in this process, give the peers a few heartbeats to read the loss this rank posted
-        before the process (and the store with it) goes."""
-        if not self._hosts_store or self._store_failing or self._posted is None:
-            return
-        if self._posted.get("rank") != self._rank:
-            return
-        deadline = time.monotonic() + max(3 * self.heartbeat_interval, 2.0)
-        try:
-            while self._store.add("lost/read", 0) < len(self._peers) and time.monotonic() < deadline:
-                time.sleep(self.heartbeat_interval / 4)
-        except Exception:  # noqa: BLE001 - best effort
-            pass
+    def _let_peers_read_the_loss(self) -> None:
+        """When the store lives in this process, keep it up a few heartbeats after a loss was posted, so that every
+        live peer reads it (at its next heartbeat, or when it posts its own finding) before the store goes with this
+        process. A fixed wait: which peers are alive to read it is what the loss leaves unknown."""
+        if self._hosts_store and not self._store_failing and self._posted is not None:
+            time.sleep(max(3 * self.heartbeat_interval, 2.0))
 
     def _identify(self) -> str | None:
         """Called after a communication error: which peer is gone? Same-host pids at once; else the peer whose counter
@@ -450,7 +441,7 @@ class RankWatchdog(L.Callback):
             if found is not None:
                 self.lost = f"RankWatchdog (rank {self._rank}): {self._first_loss(found)}"
         if self.lost is not None:
-            self._wait_until_peers_read_the_loss()
+            self._let_peers_read_the_loss()
         self._store = None
         if self.lost is None:
             return

@@ -351,10 +351,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     def _parallelize(self, module: nn.Module, mp_policy, fitting: bool = True) -> ParallelPlan | None:
         """:meth:`parallelize`; returns the plan applied (None: nothing was applied). ``fitting``: for training."""
-        dims, placement, sync = self.parallel_dims, self.expert_placement, self.sync_replicas_every_step
-        layout = pipeline_setup.layout(
-            dims, placement, sync, self.pipeline_schedule, self._microbatches(), self.virtual_stages
-        )
+        dims = self.parallel_dims
+        layout = pipeline_setup.layout(dims, self.options, self._microbatches(), self.sync_replicas_every_step)
         done, runner = pipeline_setup.parallelized(module, layout, fitting)
         if done:
             self._pipeline = runner

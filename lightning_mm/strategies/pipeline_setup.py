@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.parallel.fsdp import apply_fsdp, checkpoint_and_compile, transformer_blocks
 from lightning_mm.parallel.materialize import shared_parameters
+from lightning_mm.parallel.options import MeshOptions
 from lightning_mm.parallel.pipeline import (
     PipelineSplit,
     auto_split,
@@ -118,15 +119,10 @@ class _HoldsPipelineRunner:
 
 
 def layout(
-    dims: ParallelDims,
-    expert_placement: str,
-    sync_replicas_every_step: bool,
-    schedule: str,
-    microbatches: int,
-    virtual_stages: int,
+    dims: ParallelDims, options: MeshOptions, microbatches: int, sync_replicas_every_step: bool
 ) -> dict[str, Any]:
-    """What a module is cut and sharded for: the strategy arguments that decide it, by name (those that only matter
-    with their axis in use are left out without it)."""
+    """What a module is cut and sharded for: the strategy arguments that decide it, by name (those that matter only
+    with their axis in use are left out without it). ``microbatches``: resolved (the strategy's default applied)."""
     described: dict[str, Any] = {
         "data_parallel_replicate": dims.dp_replicate,
         "data_parallel_shard": dims.dp_shard,
@@ -134,12 +130,21 @@ def layout(
         "expert_parallel": dims.ep,
         "pipeline_parallel": dims.pp,
     }
+    if dims.tp > 1:
+        tp_plan = dict(options.tp_plan) if options.tp_plan is not None else None
+        described.update(sequence_parallel=options.sequence_parallel, tp_plan=tp_plan)
     if dims.ep > 1:  # (experts are stored in the placement's order; checkpoints record it)
-        described["expert_placement"] = expert_placement
+        described["expert_placement"] = options.experts.placement
     if dims.dp_replicate > 1:  # (FSDP2 averages over the replicas, or ReplicaSync does)
         described["sync_replicas_every_step"] = sync_replicas_every_step
     if dims.pp > 1:
-        described.update(pipeline_schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
+        pipeline = options.pipeline
+        described.update(
+            pipeline_schedule=pipeline.schedule,
+            microbatches=microbatches,
+            pipeline_split=pipeline.split,
+            virtual_stages=pipeline.virtual_stages,
+        )
     return described
 
 
@@ -170,8 +175,9 @@ def parallelized(
             f"{type(module).__name__} was split into pipeline stages, and they are gone (its forward pre-hooks were "
             "removed): build the module anew (e.g. from the checkpoint)"
         )
-    keys = [key for key in dict.fromkeys([*had, *layout]) if key not in unchecked]  # (in order: a stable message)
-    differ = {key: (had.get(key), layout.get(key)) for key in keys if had.get(key) != layout.get(key)}
+    # (the arguments of an axis only one side uses follow from the degrees that differ: not listed again)
+    keys = [key for key in had if key in layout and key not in unchecked]
+    differ = {key: (had[key], layout[key]) for key in keys if had[key] != layout[key]}
     if differ:
         raise ValueError(
             f"{type(module).__name__} is already parallelized with {had}; this strategy asks for {dict(layout)}, "

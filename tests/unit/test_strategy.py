@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_mm.callbacks import ReplicaSync
 from lightning_mm.models import VLMModule
 from lightning_mm.parallel.dims import ParallelDims
 from lightning_mm.strategies import HybridParallelStrategy, pipeline_setup
@@ -66,6 +67,9 @@ class _PlainUserModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         return self.net(batch).pow(2).mean()
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.net(batch).pow(2).mean())
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -93,6 +97,15 @@ def _failing_fits(rank: int, world: int) -> dict[str, str]:
     relaid = _PlainUserModule()
     _one_step_trainer(HybridParallelStrategy(), world, "32-true").fit(relaid, user_batches)
     cases["relaid"] = (lambda: relaid, HybridParallelStrategy(tensor_parallel=2), "32-true", user_batches)
+    # trained by 2 replicas that ReplicaSync averages (not FSDP2): validated without it (fine), trained without it
+    # (refused: nothing would average the replicas' gradients)
+    replicas = _PlainUserModule()
+    replicated = HybridParallelStrategy(data_parallel_replicate=2)
+    _one_step_trainer(replicated, world, "32-true", [ReplicaSync(every=1)]).fit(replicas, user_batches)
+    _one_step_trainer(HybridParallelStrategy(data_parallel_replicate=2), world, "32-true").validate(
+        replicas, user_batches
+    )
+    cases["replicas"] = (lambda: replicas, HybridParallelStrategy(data_parallel_replicate=2), "32-true", user_batches)
     messages = {}
     for name, (make_module, strategy, precision, loader) in cases.items():
         try:
@@ -103,9 +116,12 @@ def _failing_fits(rank: int, world: int) -> dict[str, str]:
     return messages
 
 
-def _one_step_trainer(strategy: HybridParallelStrategy, world: int, precision: str) -> L.Trainer:
+def _one_step_trainer(
+    strategy: HybridParallelStrategy, world: int, precision: str, callbacks: list | None = None
+) -> L.Trainer:
     return L.Trainer(
         strategy=strategy,
+        callbacks=callbacks,
         accelerator="cpu",
         devices=world,
         precision=precision,
@@ -129,6 +145,7 @@ def _messages() -> dict[str, str]:
         ("no_plan", r"tensor_parallel=2 needs a plan.*tp_plan="),
         ("pattern", r"TP plan pattern 'net.9' matches nothing.*closest module names"),
         ("heads", r"tensor_parallel=2 must divide .*heads=1"),
+        ("replicas", r"_PlainUserModule is already parallelized with .*'sync_replicas_every_step': \(False, True\)"),
         (
             "relaid",
             r"_PlainUserModule is already parallelized with .*'data_parallel_shard': \(2, 1\), 'tensor_parallel'",
@@ -176,12 +193,7 @@ def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages
         strategy = HybridParallelStrategy(**strategy_arguments)
         dims = ParallelDims.from_args(2, **strategy.options.degrees)
         return pipeline_setup.layout(
-            dims,
-            strategy.expert_placement,
-            strategy.sync_replicas_every_step,
-            strategy.pipeline_schedule,
-            strategy.microbatches or 2,
-            strategy.virtual_stages,
+            dims, strategy.options, strategy.microbatches or 2, strategy.sync_replicas_every_step
         )
 
     tp2, pp2 = layout(tensor_parallel=2), layout(pipeline_parallel=2, pipeline_split=["1"])
@@ -194,9 +206,11 @@ def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages
     # parallelized for one layout, given to a strategy with another: refused, naming what differs (a module
     # parallelized without a pipeline and then given pipeline_parallel=2 used to pass as done)
     for other, differing in (
-        (pp2, r"'tensor_parallel': \(2, 1\), 'pipeline_parallel': \(1, 2\), 'pipeline_schedule'"),
+        (pp2, r"'tensor_parallel': \(2, 1\), 'pipeline_parallel': \(1, 2\)\} "),
         (layout(), r"'data_parallel_shard': \(1, 2\), 'tensor_parallel': \(2, 1\)"),
         (layout(data_parallel_replicate=2), r"'data_parallel_replicate': \(1, 2\)"),
+        (layout(tensor_parallel=2, sequence_parallel=True), r"'sequence_parallel': \(False, True\)"),
+        (layout(tensor_parallel=2, tp_plan={"0": "colwise"}), r"'tp_plan': \(None, \{'0': 'colwise'\}\)"),
     ):
         with pytest.raises(ValueError, match=r"Linear is already parallelized with .*differing in \{" + differing):
             pipeline_setup.parallelized(plain, other)
@@ -211,6 +225,8 @@ def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages
     pipeline_setup.remember_parallelized(pipelined, pp2, Runner())
     with pytest.raises(ValueError, match=r"'pipeline_parallel': \(2, 1\)"):
         pipeline_setup.parallelized(pipelined, layout())
+    with pytest.raises(ValueError, match=r"'pipeline_split': \(\('1',\), \('0',\)\)"):
+        pipeline_setup.parallelized(pipelined, layout(pipeline_parallel=2, pipeline_split=["0"]))
     pipelined._forward_pre_hooks.clear()  # the hook that held the stages, removed by hand
     gc.collect()
     with pytest.raises(RuntimeError, match="split into pipeline stages, and they are gone"):
