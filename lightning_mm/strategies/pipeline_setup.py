@@ -118,6 +118,14 @@ class _HoldsPipelineRunner:
         return (_HoldsPipelineRunner, (None,))
 
 
+def _style_key(style: Any) -> str:
+    """A TP style as compared between two strategies: its name, or a style object's ``repr`` when its class defines
+    one (torch's styles print their layouts), else its class (a fresh object of the same style compares equal)."""
+    if isinstance(style, str):
+        return style
+    return repr(style) if type(style).__repr__ is not object.__repr__ else type(style).__qualname__
+
+
 def layout(
     dims: ParallelDims, options: MeshOptions, microbatches: int, sync_replicas_every_step: bool
 ) -> dict[str, Any]:
@@ -131,7 +139,9 @@ def layout(
         "pipeline_parallel": dims.pp,
     }
     if dims.tp > 1:
-        tp_plan = dict(options.tp_plan) if options.tp_plan is not None else None
+        tp_plan = (
+            {pattern: _style_key(style) for pattern, style in options.tp_plan.items()} if options.tp_plan else None
+        )
         described.update(sequence_parallel=options.sequence_parallel, tp_plan=tp_plan)
     if dims.ep > 1:  # (experts are stored in the placement's order; checkpoints record it)
         described["expert_placement"] = options.experts.placement

@@ -214,6 +214,17 @@ def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages
     ):
         with pytest.raises(ValueError, match=r"Linear is already parallelized with .*differing in \{" + differing):
             pipeline_setup.parallelized(plain, other)
+    # style objects: equal when they are the same style (fresh objects), not equal when their layouts differ
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_mm.parallel.plans import ReplicateParallel
+
+    def styled(*styles) -> dict:
+        return layout(tensor_parallel=2, tp_plan={f"{i}": style for i, style in enumerate(styles)})
+
+    assert styled(ColwiseParallel(), ReplicateParallel()) == styled(ColwiseParallel(), ReplicateParallel())
+    assert styled(ColwiseParallel()) != styled(ColwiseParallel(input_layouts=Shard(1)))
     # replicas synchronised by ReplicaSync (no gradient averaging each step): only training tells the layouts apart
     replicas = torch.nn.Linear(2, 2)
     pipeline_setup.remember_parallelized(
