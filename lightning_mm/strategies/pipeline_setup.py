@@ -89,7 +89,7 @@ _PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, tuple[dict[str, Any], weakre
     weakref.WeakKeyDictionary()
 )
 """Modules this process parallelized (a second Trainer reuses them), each with the layout it was parallelized for
-(:func:`_layout`) and a *weak* reference to its pipeline runner (None without pipeline parallelism). Weak, because
+(:func:`layout`) and a *weak* reference to its pipeline runner (None without pipeline parallelism). Weak, because
 the runner holds its module (the pipeline's loss and stage builders are the module's own): a registry holding it made
 each entry keep its key alive, so every pipelined module stayed in memory for the life of the process, with its
 stages, its Trainer and the meshes of its process groups. The module itself holds its runner
