@@ -193,7 +193,7 @@ def test_registry_of_parallelized_modules_without_a_pipeline_and_with_its_stages
         strategy = HybridParallelStrategy(**strategy_arguments)
         dims = ParallelDims.from_args(2, **strategy.options.degrees)
         return pipeline_setup.layout(
-            dims, strategy.options, strategy.microbatches or 2, strategy.sync_replicas_every_step
+            dims, strategy.options, strategy._microbatches(), strategy.sync_replicas_every_step
         )
 
     tp2, pp2 = layout(tensor_parallel=2), layout(pipeline_parallel=2, pipeline_split=["1"])
