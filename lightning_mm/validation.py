@@ -1,15 +1,18 @@
 """Argument checks shared by every layer (plain Python: ``parallel/`` uses them too).
 
 One way to say "an integer in a range", with one error wording that names the argument, instead of the hand-written
-``isinstance(value, bool) or not isinstance(value, int) or value < 1`` each constructor used to repeat.
+``isinstance(value, bool) or not isinstance(value, int) or value < 1`` each constructor used to repeat; and one way to
+ask whether a file a user hands in leaves its directory through a link (:func:`escapes_directory`).
 """
 
 from __future__ import annotations
 
 import numbers
+import os
+from pathlib import Path
 from typing import Any
 
-__all__ = ["is_integer", "require_int"]
+__all__ = ["escapes_directory", "is_integer", "require_int"]
 
 
 def is_integer(value: Any) -> bool:
@@ -39,3 +42,11 @@ def require_int(
     raise ValueError(
         f"{name} must be an integer {bound}{alternatives}" + (f" ({hint})" if hint else "") + f", got {value!r}"
     )
+
+
+def escapes_directory(path: str | os.PathLike, directory: str | os.PathLike) -> Path | None:
+    """Where ``path`` really is (links and ``..`` resolved) when that lies outside ``directory`` (resolved too, so a
+    directory that is itself a link is fine), else None. Nothing a user hands in (a shard, a checkpoint file, a
+    tokenizer) is read through a link that leaves its directory."""
+    target, root = Path(path).resolve(), Path(directory).resolve()
+    return None if target == root or root in target.parents else target

@@ -41,6 +41,7 @@ from lightning_mm.checkpoint.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
+from lightning_mm.validation import escapes_directory
 
 __all__ = ["INDEX_FILE", "READ_CHUNK_BYTES", "check_fit", "load_safetensors", "safetensors_shapes"]
 
@@ -84,11 +85,10 @@ def _checked_files(directory: Path) -> list[Path]:
     """The directory's ``*.safetensors`` files, each a regular file that lies inside it."""
     if not directory.is_dir():
         raise FileNotFoundError(f"pretrained weights: {str(directory)!r} is not a local directory")
-    inside = directory.resolve()
     files = sorted(path for path in directory.iterdir() if path.name.endswith(_SUFFIX))
     for path in files:
         target = path.resolve()
-        if target.parent != inside and inside not in target.parents:
+        if escapes_directory(path, directory) is not None:
             raise UnsafeCheckpointError(
                 f"refusing to read {str(path)!r}: it is a link to {str(target)!r}, outside {str(directory)!r}; "
                 "copy the weights into the directory (e.g. `hf download ... --local-dir DIR`) instead of linking them"

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_mm.datamodules.synthetic import ensure_synthetic_shards
 from lightning_mm.parallel.collectives import all_reduce_sum
+from lightning_mm.validation import escapes_directory
 
 __all__ = [
     "EmbeddedDataset",
@@ -47,10 +48,33 @@ def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -
             expanded.extend(matches)
     if not expanded:
         raise ValueError(f"{argument}: {urls!r} matches no shard")
+    seen: dict[str, str] = {}
+    for url in expanded:
+        _check_inside(url, os.path.dirname(url) or ".", argument)
+        real = os.path.realpath(url)
+        if real in seen:
+            # Each shard is read once per epoch; a second listing (a path and a glob that both match it, or the same
+            # file by two names) would train on its samples twice without a word.
+            same = "" if seen[real] == url else f" (as {seen[real]!r})"
+            raise ValueError(
+                f"{argument}: shard {url!r} is listed twice{same}; list each shard once (to weigh a source more, "
+                "write its shards again or use more of them)"
+            )
+        seen[real] = url
     missing = [u for u in expanded if not os.path.isfile(u)]
     if missing and must_exist:
         raise FileNotFoundError(f"{argument}: shard {missing[0]!r} does not exist ({len(missing)} missing)")
     return expanded
+
+
+def _check_inside(path: str | os.PathLike, directory: str | os.PathLike, what: str) -> None:
+    """Refuse ``path`` when, links and ``..`` resolved, it lies outside ``directory`` (:func:`escapes_directory`)."""
+    target = escapes_directory(path, directory)
+    if target is not None:
+        raise ValueError(
+            f"{what}: {str(path)!r} resolves to {str(target)!r}, outside its directory {str(directory)!r}; data is not "
+            "read through links or paths that leave their directory (copy the file there, or name its real path)"
+        )
 
 
 @dataclass(frozen=True)
@@ -70,13 +94,35 @@ def load_manifest(data_dir: str | None, synthetic_preset: str) -> EmbeddedDatase
         raise FileNotFoundError(
             f"data_dir: no manifest.json in {str(root)!r} (write one with `lightning-mm make-shards --output-dir ...`)"
         )
-    manifest = json.loads(manifest_path.read_text())
-    splits = manifest["splits"]
-    return EmbeddedDataset(
-        shards={split: [str(root / s) for s in splits[split]["shards"]] for split in ("train", "val")},
-        samples_per_shard={split: list(splits[split]["samples_per_shard"]) for split in ("train", "val")},
-        tokenizer=str(root / manifest["tokenizer"]),
-    )
+    where = f"data_dir: {str(manifest_path)!r}"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{where} is not valid JSON ({error})") from None
+    splits = manifest.get("splits") if isinstance(manifest, dict) else None
+    if not isinstance(splits, dict) or not isinstance(manifest.get("tokenizer"), str):
+        raise ValueError(f'{where} needs a "splits" object and a "tokenizer" path (as make-shards writes)')
+    shards, counts = {}, {}
+    for split in ("train", "val"):
+        entry = splits.get(split)
+        listed = entry.get("shards") if isinstance(entry, dict) else None
+        sizes = entry.get("samples_per_shard") if isinstance(entry, dict) else None
+        if (
+            not isinstance(listed, list)
+            or not isinstance(sizes, list)
+            or len(listed) != len(sizes)
+            or not all(isinstance(name, str) for name in listed)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+        ):
+            raise ValueError(
+                f'{where}: splits["{split}"] needs "shards" (a list of paths) and "samples_per_shard" (as many '
+                "non-negative integers)"
+            )
+        for name in listed:
+            _check_inside(root / name, root, f'{where}: splits["{split}"] shard')
+        shards[split], counts[split] = [str(root / name) for name in listed], list(sizes)
+    _check_inside(root / manifest["tokenizer"], root, f"{where}: tokenizer")
+    return EmbeddedDataset(shards=shards, samples_per_shard=counts, tokenizer=str(root / manifest["tokenizer"]))
 
 
 def data_parallel_rank_and_size(trainer: Any) -> tuple[int, int]:

@@ -15,15 +15,21 @@ not an error: it is kept as a text-only sample and counted as a notice.
 
 Grouping follows webdataset: a member ``dir/s000001.seg.png`` belongs to sample ``dir/s000001``
 under extension ``seg.png`` (lowercased); consecutive members with the same key form one sample;
-non-regular members, names without an extension and ``__meta__`` names are ignored.
+names without an extension and ``__meta__`` names are ignored. A hard link to an earlier regular member of the same
+tar (how GNU tar stores a second copy of identical content) reads that member's data; a symbolic link (never
+followed: it could point anywhere) or a hard link to no earlier regular member makes its sample a ``member_is_link``
+skip; other non-regular members (directories, devices, fifos) are ignored. A caption file is read up to
+``_MAX_CAPTION_BYTES`` (1 MiB) only.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import io
 import json
 import os
+import posixpath
 import re
 import statistics
 import tarfile
@@ -59,13 +65,17 @@ TEXT_KEYS: tuple[str, ...] = ("txt", "caption")
 ERROR_KINDS: tuple[str, ...] = (
     "shard_missing",
     "shard_empty",
+    "shard_short",
     "tar_truncated",
+    "tar_data_after_end",
+    "member_is_link",
     "image_empty",
     "image_unreadable",
     "image_corrupt",
     "image_too_large",
     "caption_missing",
     "caption_not_utf8",
+    "caption_too_large",
     "json_without_caption",
     "image_key_mismatch",
     "caption_untokenizable",
@@ -73,6 +83,12 @@ ERROR_KINDS: tuple[str, ...] = (
     "sample_failed",
 )
 """What a skip counts, in *samples*: a damaged or empty shard adds the samples it lost (``account_damaged_shards``).
+``shard_short``: a shard holds fewer samples than the dataset's ``manifest.json`` lists for it (the missing ones are
+counted); ``tar_data_after_end``: non-zero data follows an end-of-archive (zero) block, i.e. a header zeroed in the
+middle of the shard or tars joined with ``cat``: the samples before the block are kept and the lost ones counted as
+for ``tar_truncated``; ``member_is_link``: a file of the sample is a symbolic link (never followed) or a hard link to
+no earlier regular member of the tar; ``caption_too_large``: the caption is in a ``json`` file larger than
+``_MAX_CAPTION_BYTES``, which cannot be parsed from a prefix (there is no ``text_keys`` file).
 ``image_key_mismatch``: the sample holds an image file under an extension ``image_keys`` does not list (with
 ``require_image_keys``); ``caption_untokenizable``: the tokenizer failed on the caption; ``sample_unreadable``: its
 bytes could not be read back when loading (the shard changed since it was indexed); ``sample_failed``: any other
@@ -82,8 +98,14 @@ IMAGE_EXTENSIONS: frozenset[str] = frozenset(
     {"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "avif", "jxl", "heic", "heif", "jp2", "ppm", "pgm"}
 )
 """File extensions that hold an image whether or not ``image_keys`` lists them (per-sample key check)."""
-NOTICE_KINDS: tuple[str, ...] = ("image_missing", "image_converted", "caption_truncated")
-"""Counted but never errors: a text-only sample, a non-RGB image converted to RGB, a caption cut by the tokenizer."""
+NOTICE_KINDS: tuple[str, ...] = ("image_missing", "image_converted", "caption_truncated", "caption_capped")
+"""Counted but never errors: a text-only sample, a non-RGB image converted to RGB, a caption cut by the tokenizer, a
+caption file larger than ``_MAX_CAPTION_BYTES`` of which only the first MiB was read (the tokenizer may then cut it
+again: ``caption_truncated`` counts that)."""
+
+_MAX_CAPTION_BYTES = 1 << 20
+"""Most bytes read of a caption file: a 6 MB caption cost 2 GB downstream (tokenizing all of it), while the model
+sees at most ``max_text_tokens`` tokens (a few KiB of text)."""
 
 ON_ERROR_CHOICES = ("skip", "raise")
 
@@ -337,15 +359,26 @@ def _read_at(raw: io.BufferedReader, offset: int, size: int) -> bytes:
 def _caption_of(
     raw: io.BufferedReader, files: dict[str, tuple[int, int]], text_keys: tuple[str, ...]
 ) -> tuple[str | None, str, str]:
-    """``(caption, error kind, detail)``; the caption is None when the kind says what is wrong."""
+    """``(caption, kind, detail)``: with a caption, ``kind`` is a notice to count if the sample is kept (``""``:
+    none); without (None), it is the error kind and ``detail`` says what is wrong. At most ``_MAX_CAPTION_BYTES`` of
+    the file are read."""
     text_key = next((k for k in text_keys if k in files), None)
     if text_key is None and "json" not in files:
         return None, "caption_missing", f"no caption file (looked for {list(text_keys)} and json['caption'])"
     source = text_key or "json"
-    data = _read_at(raw, *files[source])
+    offset, size = files[source]
+    capped = size > _MAX_CAPTION_BYTES
+    if capped and text_key is None:
+        detail = (
+            f"'json' is {size} bytes, more than the {_MAX_CAPTION_BYTES} read of a caption file (JSON cannot be "
+            f"parsed from a prefix) and there is no {list(text_keys)}"
+        )
+        return None, "caption_too_large", detail
+    data = _read_at(raw, offset, min(size, _MAX_CAPTION_BYTES))
     try:
-        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the caption.
-        text = data.decode("utf-8-sig")
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the caption. Not final when
+        # capped: a character cut at the cap is left out (held back as incomplete), invalid bytes still raise.
+        text = codecs.getincrementaldecoder("utf-8-sig")().decode(data, final=not capped)
     except UnicodeDecodeError as err:
         return None, "caption_not_utf8", f"{source!r} is not UTF-8 ({err})"
     if text_key is None:
@@ -369,8 +402,9 @@ def _caption_of(
             return None, "caption_not_utf8", f"the caption in 'json' holds a lone surrogate at character {err.start}"
     text = text.strip()
     if not text:
-        return None, "caption_missing", f"the caption in {source!r} is empty"
-    return text, "", ""
+        unread = f" in its first {_MAX_CAPTION_BYTES} bytes (the rest is not read)" if capped else ""
+        return None, "caption_missing", f"the caption in {source!r} is empty{unread}"
+    return text, "caption_capped" if capped else "", ""
 
 
 @dataclass
@@ -382,8 +416,9 @@ class ShardIndex:
     """The valid samples, in tar order."""
     digest: str
     """SHA-256 (hex) of the shard's content as indexing sees it: its size, every member header (name, size, mtime,
-    type) and the first and last 4 KiB of every member's data (all of a caption, the header of an image). Rewriting
-    a shard with other samples changes it even at the same byte size; it costs no extra pass over the shard."""
+    type, link target) and the first and last 4 KiB of every member's data (all of a caption, the header of an
+    image). Rewriting a shard with other samples changes it even at the same byte size; it costs no extra pass over
+    the shard."""
     samples: int = 0
     """Samples read completely (kept, or skipped for a problem of their own)."""
     with_image: int = 0
@@ -393,7 +428,7 @@ class ShardIndex:
     damage: str | None = None
     """What is wrong with the shard as a whole (None: intact); its lost samples are not yet reported."""
     damage_kind: str | None = None
-    """``tar_truncated`` or ``shard_empty`` when ``damage`` is set."""
+    """``tar_truncated``, ``tar_data_after_end`` or ``shard_empty`` when ``damage`` is set."""
     damage_key: str | None = None
     """The sample being read at the damage (dropped: more of its files may have followed), if any."""
 
@@ -418,12 +453,18 @@ def index_shard(
       more of its files may have followed. A shard alone cannot say how many samples followed the damage: this
       counts the one its headers show (a lower bound); :func:`account_damaged_shards` estimates the loss from
       the other shards of a split, or takes it from an earlier index.
+    * non-zero data after an end-of-archive block (a header zeroed in the middle of the shard, tars joined with
+      ``cat``): ``tar_data_after_end``, kept and counted as for ``tar_truncated``.
+    * a symbolic link, or a hard link to no earlier regular member, among a sample's files: ``member_is_link``
+      (skipped); a hard link to an earlier regular member reads that member's data.
     * zero-byte image file: ``image_empty``; image header PIL cannot parse: ``image_unreadable``; a header
       declaring more than ``max_image_pixels`` pixels: ``image_too_large`` (nothing decoded).
     * no caption file, or an empty caption: ``caption_missing``; caption bytes not UTF-8 or a lone surrogate in a
       JSON caption: ``caption_not_utf8``; no txt / caption file and a json that is not valid JSON (including
-      nesting too deep and integers too long for Python) or has no ``"caption"`` string: ``json_without_caption``.
-      These samples are skipped.
+      nesting too deep and integers too long for Python) or has no ``"caption"`` string: ``json_without_caption``;
+      no txt / caption file and a json larger than ``_MAX_CAPTION_BYTES``: ``caption_too_large``. These samples are
+      skipped. A txt / caption file larger than ``_MAX_CAPTION_BYTES`` is read up to it (cut back to a whole UTF-8
+      character) and counted as ``caption_capped``.
     * no image file: kept as a text-only sample (``image_key=None``), counted as ``image_missing``; but a file
       with an image extension that ``image_keys`` does not list is ``image_key_mismatch`` (skipped) when
       ``require_image_keys``, so images under another key are not trained on as text alone.
@@ -478,11 +519,50 @@ def account_damaged_shards(
 def _member_digest(digest, fd: int, info: tarfile.TarInfo, sample: int = 4096) -> None:
     """Add one member's header fields and the first / last ``sample`` bytes of its data to ``digest``."""
     digest.update(f"{info.name}\0{info.size}\0{info.mtime}\0{info.type!r}\n".encode("utf-8", "surrogateescape"))
+    if info.islnk() or info.issym():  # (what a hard link reads, or whether a symlink is skipped, depends on it)
+        digest.update(f"{info.linkname}\n".encode("utf-8", "surrogateescape"))
     if info.isreg() and info.size:
         digest.update(os.pread(fd, min(info.size, sample), info.offset_data))
         if info.size > sample:
             tail = min(sample, info.size - sample)
             digest.update(os.pread(fd, tail, info.offset_data + info.size - tail))
+
+
+def _first_nonzero_byte(raw: io.BufferedReader, start: int, chunk: int = 1 << 20) -> int | None:
+    """Offset of the first non-zero byte of ``raw`` at or after ``start``; None if only zeros follow."""
+    raw.seek(start)
+    offset = start
+    while block := raw.read(chunk):
+        data = block.lstrip(b"\0")
+        if data:
+            return offset + len(block) - len(data)
+        offset += len(block)
+    return None
+
+
+def _data_member(info: tarfile.TarInfo, regular_members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None:
+    """The regular member whose data ``info`` stands for: itself, or for a hard link the earlier member of that name
+    (``tar -x`` links it to the file extracted under that name, so the latest one before the link); None otherwise.
+    Records ``info`` in ``regular_members`` (name -> member read) for later hard links."""
+    name = posixpath.normpath(info.name)  # (GNU tar may write "./a.jpg" in one header and "a.jpg" in another)
+    if info.isreg():
+        data_member = info
+    elif info.islnk():
+        data_member = regular_members.get(posixpath.normpath(info.linkname))
+    else:
+        data_member = None
+    if data_member is None:
+        regular_members.pop(name, None)  # (a later hard link to this name would not find a regular file)
+    else:
+        regular_members[name] = data_member
+    return data_member
+
+
+def _unreadable_link(info: tarfile.TarInfo, ext: str) -> str:
+    """Why the link member ``info``, standing for a sample's ``ext`` file, is not read."""
+    if info.issym():
+        return f"its {ext!r} file is a symbolic link to {info.linkname!r} (not followed: it could point anywhere)"
+    return f"its {ext!r} file is a hard link to {info.linkname!r}, which is no earlier regular file of this tar"
 
 
 def scan_shard(
@@ -541,16 +621,23 @@ def scan_shard(
 
         records = result.records
         group_key: str | None = None
-        group_files: dict[str, tarfile.TarInfo] = {}
+        group_files: dict[str, tarfile.TarInfo] = {}  # ext -> the regular member holding the file's data
+        group_links: dict[str, str] = {}  # ext -> why the link standing for the file cannot be read
+        regular_members: dict[str, tarfile.TarInfo] = {}  # normalized name -> the member a hard link to it reads
         groups_seen = 0
         damage: str | None = None
+        damage_kind = "tar_truncated"
 
         def close_group() -> None:
             if group_key is None:
                 return
             result.samples += 1
-            result.with_image += any(k in group_files for k in image_keys)
-            result.extensions.update(list(group_files))
+            held = [*group_files, *group_links]
+            result.with_image += any(k in held for k in image_keys)
+            result.extensions.update(held)
+            if group_links:
+                errors.error("member_is_link", url, group_key, "; ".join(group_links.values()))
+                return
             record = _validate(
                 raw,
                 tar,
@@ -590,22 +677,39 @@ def scan_shard(
                         damage = f"the file ends at offset {file_size} without the end-of-archive block"
                     elif block.count(0) != tarfile.BLOCKSIZE:
                         damage = f"invalid tar header at offset {tar.offset}"
+                    else:
+                        # Zeros after the marker are padding to the tar's record size; anything else is more
+                        # archive that tarfile would never read: a header zeroed in the middle of the shard, or
+                        # two tars joined with `cat`.
+                        found = _first_nonzero_byte(raw, tar.offset + tarfile.BLOCKSIZE)
+                        if found is not None:
+                            damage_kind = "tar_data_after_end"
+                            damage = (
+                                f"non-zero data at offset {found} follows the end-of-archive block at offset "
+                                f"{tar.offset} (a header zeroed in the middle of the shard, or tars joined with cat)"
+                            )
                     break
                 _member_digest(digest, raw.fileno(), info)
-                if not info.isreg():
-                    continue
+                data_member = _data_member(info, regular_members)
+                if data_member is None and not (info.issym() or info.islnk()):
+                    continue  # a directory, device or fifo: no file of a sample
                 match = _KEY_EXT.match(info.name)
                 if match is None or _META_NAME.match(info.name):
                     continue
                 key, ext = match.group(1), match.group(2).lower()
                 if key != group_key:
                     close_group()  # this header was read intact, so the previous sample is complete
-                    group_key, group_files = key, {}
+                    group_key, group_files, group_links = key, {}, {}
                     groups_seen += 1
                 # A later member with the same name wins, as when `tar -x` extracts the archive (this
                 # is how `tar --append` updates a file).
-                group_files[ext] = info
-                if info.offset_data + info.size > file_size:
+                if data_member is None:
+                    group_files.pop(ext, None)
+                    group_links[ext] = _unreadable_link(info, ext)
+                    continue
+                group_links.pop(ext, None)
+                group_files[ext] = data_member
+                if info is data_member and info.offset_data + info.size > file_size:
                     damage = (
                         f"member {info.name!r} needs {info.size} bytes at offset {info.offset_data} but the file "
                         f"has {file_size} bytes"
@@ -615,7 +719,7 @@ def scan_shard(
                 close_group()
 
     if damage is not None:
-        return damaged("tar_truncated", f"{damage}; keeping the {len(records)} sample(s) read before it", group_key)
+        return damaged(damage_kind, f"{damage}; keeping the {len(records)} sample(s) read before it", group_key)
     if groups_seen == 0:
         return damaged("shard_empty", "the tar has no samples")
     result.digest = digest.hexdigest()
@@ -641,6 +745,7 @@ def _validate(
     if caption is None:
         errors.error(kind, url, key, detail)
         return None
+    caption_notice = kind
     image_key = next((k for k in image_keys if k in files), None)
     width = height = 0
     if image_key is not None:
@@ -668,6 +773,8 @@ def _validate(
             errors.error("image_key_mismatch", url, key, detail)
             return None
         errors.notice("image_missing")  # a legal missing modality: the sample trains on its text only
+    if caption_notice:  # (counted for a kept sample only: notices describe what is trained on)
+        errors.notice(caption_notice)
     return SampleRecord(url, key, index_in_shard, files, image_key, width, height, caption)
 
 

@@ -78,6 +78,11 @@ __all__ = ["ImageTextWebDataModule", "EpochPlan", "deal_batches"]
 log = logging.getLogger(__name__)
 
 
+_CHECK_SKIPS_EVERY = 256
+"""After the first batches (1, 2, 4, ...), a pass's skips so far are checked against the threshold this often
+(a small collective over the data-parallel ranks)."""
+
+
 def _print(message: str) -> None:
     """The data accounting goes to stderr unconditionally (not through a logger a user may have silenced): a run
     that trains on less data than asked must say so."""
@@ -330,6 +335,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._budgets: tuple[int, int] | None = None
         self._curriculum_printed: int | None = None
         self._known_samples: dict[str, int] = {}  # shard -> samples, from a manifest (damaged-shard accounting)
+        self._caption_limit: int | None = None  # (_caption_chars)
         self._shard_digests: dict[str, str] = {}  # train shard -> content digest taken at indexing (fingerprint)
         self._tokenizer_digest: str | None = None
         self.filter_counts: dict[str, int] = dict.fromkeys(FILTER_KINDS, 0)
@@ -438,6 +444,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             indexes.append(index)
         # A damaged shard counts the samples it lost, known from the manifest or estimated from its intact siblings.
         account_damaged_shards(indexes, self.error_log, self._known_samples, "the dataset's manifest.json")
+        self._count_short_shards(indexes)
         if split == "train":
             self._shard_digests = {index.url: index.digest for index in indexes}
         records = [record for index in indexes for record in index.records]
@@ -474,6 +481,16 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._splits[split] = (records, lengths)
         return self._splits[split]
 
+    def _count_short_shards(self, indexes: list[ShardIndex]) -> None:
+        """An intact shard holding fewer samples than the dataset's manifest.json lists for it (rewritten or replaced
+        since) counts the missing ones as skips (``shard_short``), as a damaged shard counts what it lost: the run
+        would otherwise train on less data than the dataset says it has without a word."""
+        for index in indexes:
+            expected = self._known_samples.get(index.url)
+            if index.damage is None and expected is not None and index.samples < expected:
+                detail = f"holds {index.samples} sample(s) where the dataset's manifest.json lists {expected}"
+                self.error_log.error("shard_short", index.url, None, detail, samples=expected - index.samples)
+
     def _check_image_keys(self, split: str, index: ShardIndex, image_keys: tuple[str, ...]) -> None:
         """Fail on a shard whose samples hold no file under ``image_keys`` (``require_images``): every shard is
         checked, since a dataset can change key from one shard to the next (a later shard under another key would
@@ -492,7 +509,8 @@ class ImageTextWebDataModule(L.LightningDataModule):
         """The records the tokenizer accepts and their caption ids; a caption it refuses is a counted skip
         (``caption_untokenizable``) naming the shard and the key, not an error for the whole split."""
         tokenizer = self.tokenizer.tokenizer
-        captions = [r.caption for r in records]
+        limit = self._caption_chars()
+        captions = [r.caption[:limit] for r in records]
         try:
             return records, [e.ids for e in tokenizer.encode_batch(captions, add_special_tokens=False)]
         except Exception:  # (one bad caption fails the whole batch call: find it, one caption at a time)
@@ -500,7 +518,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         kept, encoded = [], []
         for record in records:
             try:
-                ids = tokenizer.encode(record.caption, add_special_tokens=False).ids
+                ids = tokenizer.encode(record.caption[:limit], add_special_tokens=False).ids
             except Exception as err:
                 detail = f"the tokenizer refuses the caption ({type(err).__name__}: {str(err)[:200]})"
                 self.error_log.error("caption_untokenizable", record.url, record.key, detail)
@@ -508,6 +526,17 @@ class ImageTextWebDataModule(L.LightningDataModule):
             kept.append(record)
             encoded.append(ids)
         return kept, encoded
+
+    def _caption_chars(self) -> int:
+        """Characters of a caption worth tokenizing: ``max_text_tokens`` tokens cover at most that many times the
+        longest token of the vocabulary (a byte-level token may cover less than a character, never more than its own
+        length), so a caption is cut well beyond (twice, and 1024 more) before tokenizing. Only a caption that long
+        is cut, and only tokens past ``max_text_tokens`` (cut anyway) can change; without the cut a multi-MB caption
+        cost ~275 bytes of memory per character in the tokenizer, every epoch."""
+        if self._caption_limit is None:
+            longest = max((len(token) for token in self.tokenizer.tokenizer.get_vocab()), default=1)
+            self._caption_limit = 2 * self.hparams.max_text_tokens * max(longest, 1) + 1024
+        return self._caption_limit
 
     # ------------------------------------------------------------------------------------ accounting
 
@@ -543,31 +572,66 @@ class ImageTextWebDataModule(L.LightningDataModule):
                 "max_skipped_fraction to accept training on less data"
             )
 
-    def _count_batch(self, split: str, batch: MultimodalBatch) -> None:
-        """Each fetched batch (main process): its workers' error counts and examples, its samples."""
+    def _count_batch(self, split: str, batch: MultimodalBatch, dataset: _PlannedSplit) -> None:
+        """Each fetched batch (main process): its workers' error counts and examples, its samples; now and then
+        whether the pass has already skipped too much (:meth:`_check_pass_so_far`)."""
         counts = getattr(batch, "data_errors", None)
         if counts:
             self.error_log.merge(counts)
             self.error_log.merge_examples(getattr(batch, "data_error_examples", {}))
             self.error_log.merge_shards(getattr(batch, "data_error_shards", {}))
-        self._passes[split]["loaded"] += batch.num_samples
+        record = self._passes[split]
+        record["loaded"] += batch.num_samples
+        record["fetched"] += 1
+        fetched = record["fetched"]
+        if fetched & (fetched - 1) == 0 or fetched % _CHECK_SKIPS_EVERY == 0:  # batches 1, 2, 4, ..., then every 256
+            self._check_pass_so_far(split, dataset)
+
+    def _check_pass_so_far(self, split: str, dataset: _PlannedSplit) -> None:
+        """Fail a pass whose skips already exceed ``max_skipped_fraction`` of all the samples it plans, whatever the
+        rest brings, instead of running it to its end on little or no data (and a run stopped by ``max_steps``
+        before that end would never be checked by it). Summed over the data-parallel ranks, which all fetch the same
+        batches, so all decide alike (see :meth:`_report`)."""
+        record = self._passes[split]
+        if "planned" not in record:  # this rank's share of the pass, from its first batch on
+            batches = dataset.plan(dataset.epoch).batches[dataset.skip :]
+            record["planned"] = sum(len(row) for batch in batches for row in batch)
+        skipped = sum(self.error_log.counts[kind] - record["since"][kind] for kind in ERROR_KINDS)
+        skipped, planned = sum_over_data_parallel(self.trainer, [skipped, record["planned"]])
+        if skipped > self.hparams.max_skipped_fraction * planned:
+            self._report(
+                f"data ({split}, epoch {record['epoch']}, after {record['fetched']} batch(es) of its pass)",
+                skipped,
+                planned,
+                record["since"],
+                since_shards=record["since_shards"],
+            )
 
     def _start_pass(self, split: str) -> None:
         self._passes[split] = {
             "loaded": 0,
+            "fetched": 0,
+            "ended": False,
             "since": dict(self.error_log.counts),
             "since_shards": self.error_log.shard_snapshot(),
         }
 
-    def _end_pass(self, split: str, dataset: _PlannedSplit) -> None:
+    def _end_pass(self, split: str, dataset: _PlannedSplit | None = None, stopped: bool = False) -> None:
+        """Report a pass and fail it over the threshold: at its last batch, or (``stopped``) when a fit ends before it
+        does (``max_steps``, early stopping), over the samples it reached."""
         record = self._passes[split]
+        record["ended"] = True
         since = record["since"]
         skipped = sum(self.error_log.counts[kind] - since[kind] for kind in ERROR_KINDS)
         step = getattr(self.trainer, "global_step", 0) if self.trainer is not None else 0
         what = f"data ({split}, epoch {self._current_epoch()})" if split == "train" else f"data ({split}, step {step})"
+        if stopped:
+            what = f"data ({split}, epoch {record['epoch']}, stopped after {record['fetched']} batch(es))"
         self._report(
             what, skipped, record["loaded"] + skipped, since, collective=True, since_shards=record["since_shards"]
         )
+        if dataset is None:
+            return
         if split == "train" and self._global_rank() == 0:
             # Not a skip (nothing wrong with these samples), but data the epoch did not train on: say it.
             for line in dataset.schedule.describe_left_out(dataset.epoch):
@@ -577,6 +641,11 @@ class ImageTextWebDataModule(L.LightningDataModule):
         return self.trainer.global_rank if self.trainer is not None else 0
 
     def teardown(self, stage: str) -> None:
+        # A fit that stopped inside an epoch (max_steps, early stopping) never reached the end of its pass: check what
+        # it did train on. (Lightning calls this hook after a fit that ended without an exception, on every rank.)
+        train = self._passes.get("train")
+        if getattr(stage, "value", stage) == "fit" and train is not None and not train["ended"]:
+            self._end_pass("train", stopped=True)
         rank = self._global_rank()
         if rank == 0:  # the whole run, indexing and every pass (this rank's decode-time skips)
             _print(self.error_log.summary(f"data (end of {getattr(stage, 'value', stage)})"))
@@ -671,6 +740,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
             self._start_pass(split)
             state = _epoch_fn()
             epoch = state[0] if isinstance(state, tuple) else state
+            self._passes[split]["epoch"] = epoch  # (what the trainer's counter says changes when a fit stops)
             if split == "train":
                 dataset.set_epoch(*state)  # (the loader sets it again after this returns: the same plan)
                 self._check_resumed_length(len(dataset))
@@ -681,7 +751,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
 
         hooks = {
             "num_workers": self.hparams.num_workers,
-            "on_batch": lambda batch: self._count_batch(split, batch),
+            "on_batch": lambda batch: self._count_batch(split, batch, dataset),
             "on_exhausted": lambda: self._end_pass(split, dataset),
         }
         if split == "train":  # (Lightning's stateful-loader protocol: it knows the position is restored)

@@ -312,9 +312,10 @@ def test_failures_while_loading_are_counted_skips_not_a_crash(tmp_path, monkeypa
     Path(url).write_bytes(Path(url).read_bytes()[:2048])
     monkeypatch.setattr("lightning_mm.datamodules.planned_split.load_rgb_image", original)
     dm.error_log.counts = dict.fromkeys(dm.error_log.counts, 0)
-    with pytest.raises(ValueError, match=r"data \(train, epoch 0\): 3\d of \d+ samples"):
+    # (the pass stops at the first check after its skips pass max_skipped_fraction of all 40 it plans, not at its end)
+    with pytest.raises(ValueError, match=r"data \(train, epoch 0, after \d+ batch\(es\) of its pass\): \d+ of 40 "):
         list(dm.train_dataloader())
-    assert dm.error_log.counts["sample_unreadable"] >= 30
+    assert dm.error_log.counts["sample_unreadable"] > 20
 
 
 def dataclasses_replace(record, **changes):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from lightning_mm.datamodules import decode
 from lightning_mm.datamodules.decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ERROR_KINDS,
@@ -26,9 +27,11 @@ from lightning_mm.datamodules.decode import (
     ErrorLog,
     SampleRecord,
     _bits_of_integer_image,
+    account_damaged_shards,
     index_shard,
     load_rgb_image,
     read_sample_files,
+    scan_shard,
 )
 
 POLICIES = ("skip", "raise")
@@ -79,6 +82,13 @@ def member_offsets(url: str) -> dict[str, tuple[int, int]]:
     """name -> (header offset, data offset) of every member."""
     with tarfile.open(url) as tar:
         return {m.name: (m.offset, m.offset_data) for m in tar}
+
+
+def end_marker(url: str) -> int:
+    """Offset of the end-of-archive block."""
+    with tarfile.open(url) as tar:
+        tar.getmembers()
+        return tar.offset
 
 
 def keys(records: list[SampleRecord]) -> list[str]:
@@ -401,6 +411,211 @@ def test_tar_truncated(shard, policy, where, kept, dropped):
         assert [r.index_in_shard for r in records] == list(range(len(kept)))
         for record in records:  # what is kept is readable
             assert read_sample_files(record)["txt"] == f"caption {int(record.key[1:])}".encode()
+
+
+@pytest.mark.parametrize("where", ["zeroed 11th header", "tars joined with cat", "zeroed first header"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_data_after_the_end_marker_is_damage_not_the_end(shard, tmp_path, policy, where):
+    """A zero block is where tarfile stops reading; data after it is a damaged shard, not a silent end."""
+    url = shard(good_samples(1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+    raw = bytearray(Path(url).read_bytes())
+    if where == "tars joined with cat":
+        first = shard(good_samples(1, 2, 3, 4, 5), name="first.tar")
+        marker = end_marker(first)
+        found = Path(first).stat().st_size  # the second tar's first header: the first's record padding is zeros
+        Path(url).write_bytes(Path(first).read_bytes() + raw)
+        kept, dropped = ["s000001", "s000002", "s000003", "s000004"], "s000005"
+    else:
+        member = "s000006.jpg" if where == "zeroed 11th header" else "s000001.jpg"
+        marker = member_offsets(url)[member][0]
+        raw[marker : marker + 512] = bytes(512)
+        Path(url).write_bytes(bytes(raw))
+        found = marker + 512  # the zeroed member's JPEG data (starts with 0xFF)
+        kept, dropped = (["s000001", "s000002", "s000003", "s000004"], "s000005") if marker else ([], None)
+    records, errors = check_bad(policy, "tar_data_after_end", url, dropped, lambda e: index_shard(url, e))
+    message = errors.examples["tar_data_after_end"]
+    assert f"non-zero data at offset {found} follows the end-of-archive block at offset {marker}" in message
+    if records is not None:
+        assert keys(records) == kept
+        assert errors.counts["tar_data_after_end"] == 1  # no intact sibling: the one its headers show
+        for record in records:  # what is kept is readable
+            assert read_sample_files(record)["txt"] == f"caption {int(record.key[1:])}".encode()
+
+
+def test_data_after_the_end_marker_counts_the_samples_lost_from_intact_siblings(shard):
+    urls = [shard(good_samples(*range(10 * i, 10 * i + 10)), name=f"s{i}.tar") for i in range(3)]
+    raw = bytearray(Path(urls[1]).read_bytes())
+    header = member_offsets(urls[1])["s000013.jpg"][0]
+    raw[header : header + 512] = bytes(512)
+    Path(urls[1]).write_bytes(bytes(raw))
+    errors = ErrorLog()
+    indexes = [scan_shard(url, errors) for url in urls]
+    account_damaged_shards(indexes, errors)
+    assert keys(indexes[1].records) == ["s000010", "s000011"]  # s000012 was open at the marker
+    assert errors.counts["tar_data_after_end"] == 8  # a median of 10 samples, 2 read
+    assert errors.by_shard == {urls[1]: {"tar_data_after_end": 8}}
+    assert "~8 sample(s) lost, estimated" in errors.shard_notes[urls[1]]
+
+
+def test_zero_padding_after_the_end_marker_is_not_damage(shard):
+    url = shard(good_samples(1, 2))
+    Path(url).write_bytes(Path(url).read_bytes() + bytes(3 * 10240 + 7))  # padded past the record size
+    errors = ErrorLog("raise")
+    assert keys(index_shard(url, errors)) == ["s000001", "s000002"]
+    assert sum(errors.counts.values()) == 0
+
+
+def _add_link(tar: tarfile.TarFile, name: str, target: str, kind: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    tar.addfile(info)
+
+
+def _add_file(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("target", ["s000001.jpg", "./s000001.jpg", "README"])
+def test_a_hard_link_to_an_earlier_member_reads_its_data(tmp_path, target):
+    """GNU tar stores a second copy of identical content as a hard link to the first member."""
+    url = str(tmp_path / "shard.tar")
+    image = jpeg(12, 8)
+    with tarfile.open(url, "w") as tar:
+        _add_file(tar, "README" if target == "README" else "s000001.jpg", image)
+        _add_file(tar, "s000001.txt", b"first")
+        _add_link(tar, "s000002.jpg", target, tarfile.LNKTYPE)
+        _add_file(tar, "s000002.txt", b"second")
+    errors = ErrorLog("raise")
+    records = index_shard(url, errors)
+    assert keys(records) == ["s000001", "s000002"]
+    linked = records[1]
+    assert (linked.image_key, linked.width, linked.height, linked.caption) == ("jpg", 12, 8, "second")
+    assert read_sample_files(linked) == {"jpg": image, "txt": b"second"}
+    expected_missing = 1 if target == "README" else 0  # (README is no sample file: s000001 is text-only)
+    assert errors.counts["image_missing"] == expected_missing
+    assert sum(errors.counts.values()) == expected_missing
+
+
+@pytest.mark.parametrize(
+    "link,detail",
+    [
+        ("symlink", "its 'jpg' file is a symbolic link to '/etc/passwd' (not followed"),
+        ("hard link to nothing", "its 'jpg' file is a hard link to 'gone.jpg', which is no earlier regular file"),
+        ("hard link to a later member", "hard link to 's000003.jpg', which is no earlier regular file"),
+        ("hard link to a symlink", "hard link to 's000001.jpg', which is no earlier regular file"),
+    ],
+)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_link_that_cannot_be_read_skips_its_sample(tmp_path, policy, link, detail):
+    url = str(tmp_path / "shard.tar")
+    with tarfile.open(url, "w") as tar:
+        if link == "hard link to a symlink":
+            _add_link(tar, "s000001.jpg", "/etc/passwd", tarfile.SYMTYPE)  # (itself skipped: two skips then)
+        else:
+            _add_file(tar, "s000001.jpg", jpeg())
+        _add_file(tar, "s000001.txt", b"first")
+        target, kind = {
+            "symlink": ("/etc/passwd", tarfile.SYMTYPE),
+            "hard link to nothing": ("gone.jpg", tarfile.LNKTYPE),
+            "hard link to a later member": ("s000003.jpg", tarfile.LNKTYPE),
+            "hard link to a symlink": ("s000001.jpg", tarfile.LNKTYPE),
+        }[link]
+        _add_link(tar, "s000002.jpg", target, kind)
+        _add_file(tar, "s000002.txt", b"second")
+        _add_file(tar, "s000003.jpg", jpeg())
+        _add_file(tar, "s000003.txt", b"third")
+    errors = ErrorLog(policy)
+    if policy == "raise":
+        with pytest.raises(BadSampleError) as info:
+            index_shard(url, errors)
+        first = "s000001" if link == "hard link to a symlink" else "s000002"
+        assert (info.value.kind, info.value.url, info.value.key) == ("member_is_link", url, first)
+        return
+    records = index_shard(url, errors)
+    skipped = 2 if link == "hard link to a symlink" else 1
+    assert keys(records) == (["s000003"] if skipped == 2 else ["s000001", "s000003"])
+    assert errors.counts["member_is_link"] == skipped
+    assert errors.skipped == skipped and errors.counts["image_missing"] == 0  # not a text-only sample
+    assert errors.by_shard == {url: {"member_is_link": skipped}}
+    message = errors.examples["member_is_link"]
+    assert f"member_is_link: shard {url!r}" in message
+    if skipped == 1:
+        assert "key 's000002'" in message and detail in message
+
+
+def test_a_symlink_that_a_later_file_replaces_is_not_a_skip(tmp_path):
+    """The later member of a name wins, as with tar -x: a regular file after the link is what the sample holds."""
+    url = str(tmp_path / "shard.tar")
+    image = jpeg(5, 5)
+    with tarfile.open(url, "w") as tar:
+        _add_link(tar, "s000001.jpg", "/etc/passwd", tarfile.SYMTYPE)
+        _add_file(tar, "s000001.jpg", image)
+        _add_file(tar, "s000001.txt", b"first")
+    errors = ErrorLog("raise")
+    (record,) = index_shard(url, errors)
+    assert read_sample_files(record)["jpg"] == image and errors.skipped == 0
+
+
+def test_the_digest_covers_where_a_link_points(tmp_path):
+    digests = []
+    for target in ("first", "second"):  # (names without an extension: no sample of their own)
+        url = str(tmp_path / f"{target}.tar")
+        with tarfile.open(url, "w") as tar:
+            _add_file(tar, "first", jpeg(seed=1))
+            _add_file(tar, "second", jpeg(seed=2))
+            _add_link(tar, "s000001.jpg", target, tarfile.LNKTYPE)
+            _add_file(tar, "s000001.txt", b"x")
+        digests.append(scan_shard(url, ErrorLog("raise")).digest)
+    assert digests[0] != digests[1]
+
+
+def test_a_long_caption_is_read_up_to_the_cap_at_a_character_boundary(shard, monkeypatch):
+    cap = decode._MAX_CAPTION_BYTES
+    reads = []
+    read_at = decode._read_at
+    monkeypatch.setattr(decode, "_read_at", lambda raw, offset, size: reads.append(size) or read_at(raw, offset, size))
+    # "é" is 2 bytes, cut by the cap after its first byte: it is left out, not decoded as an error.
+    long = "a" * (cap - 1) + "é" + "b" * (5 << 20)
+    exact = "c" * cap  # exactly the cap: read whole, no notice
+    url = shard(
+        sample("s000001", caption=long)
+        + sample("s000002", caption=exact)
+        + sample("s000003", caption=long, image=b"not an image")  # skipped: its notice is not counted
+    )
+    errors = ErrorLog()
+    records = index_shard(url, errors)
+    assert [r.caption for r in records] == ["a" * (cap - 1), exact]
+    assert max(reads) == cap
+    assert errors.counts["caption_capped"] == 1 and errors.counts["caption_truncated"] == 0
+    assert errors.skipped == 1 and errors.counts["image_unreadable"] == 1
+
+
+def test_a_caption_blank_up_to_the_cap_is_missing_and_says_so(shard):
+    url = shard(sample("s000001", caption=" " * decode._MAX_CAPTION_BYTES + "late words"))
+    _, errors = check_bad("skip", "caption_missing", url, "s000001", lambda e: index_shard(url, e))
+    assert "is empty in its first 1048576 bytes (the rest is not read)" in errors.examples["caption_missing"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_json_caption_over_the_cap_is_too_large(shard, policy):
+    big = json.dumps({"caption": "x" * decode._MAX_CAPTION_BYTES}).encode()
+    members = [("s000002.jpg", jpeg()), ("s000002.json", big)]
+    url = shard(good_samples(1) + members + good_samples(3))
+    records, errors = check_bad(policy, "caption_too_large", url, "s000002", lambda e: index_shard(url, e))
+    if records is not None:
+        assert keys(records) == ["s000001", "s000003"]
+        assert f"'json' is {len(big)} bytes, more than the 1048576 read" in errors.examples["caption_too_large"]
+    # With a txt caption, the json is not read for a caption: no skip.
+    url = shard(good_samples(1) + members + [("s000002.txt", b"short")], name="with-txt.tar")
+    assert [r.caption for r in index_shard(url, ErrorLog("raise"))] == ["caption 1", "short"]
+
+
+def test_shard_short_is_an_error_kind_counted_in_samples():
+    errors = ErrorLog()
+    errors.error("shard_short", "a.tar", None, "holds 7 of the 10 samples manifest.json lists", samples=3)
+    assert errors.counts["shard_short"] == 3 and errors.skipped == 3
 
 
 @pytest.mark.parametrize("policy", POLICIES)

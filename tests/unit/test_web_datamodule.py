@@ -68,7 +68,7 @@ def _dm(shards, **kwargs) -> ImageTextWebDataModule:
     return ImageTextWebDataModule(**args)
 
 
-def _batches(dm: ImageTextWebDataModule, dp_rank: int, dp_size: int, epoch: int = 0, global_rank: int | None = None):
+def _attach(dm: ImageTextWebDataModule, dp_rank: int, dp_size: int, epoch: int = 0, global_rank: int | None = None):
     # What a mesh-aware strategy reports; global_rank differs between model-parallel peers.
     strategy = SimpleNamespace(data_parallel_rank=dp_rank, data_parallel_size=dp_size)
     dm.trainer = SimpleNamespace(
@@ -78,7 +78,11 @@ def _batches(dm: ImageTextWebDataModule, dp_rank: int, dp_size: int, epoch: int 
         current_epoch=epoch,
         training=False,
     )
-    return list(dm.train_dataloader())
+    return dm
+
+
+def _batches(dm: ImageTextWebDataModule, dp_rank: int, dp_size: int, epoch: int = 0, global_rank: int | None = None):
+    return list(_attach(dm, dp_rank, dp_size, epoch, global_rank).train_dataloader())
 
 
 @pytest.mark.parametrize("regroup", ["none", "bucket", "pack"])
@@ -143,9 +147,132 @@ def test_corrupt_image_is_skipped_counted_or_raised(tmp_path, shards, capsys):
     assert "left out by this epoch's plan: 0 of 20 samples" in printed
     with pytest.raises(ValueError, match=r"image_corrupt.*bad-000000\.tar.*s000004"):
         _batches(_dm(shards, train_urls=urls, regroup="none", batch_size=4, on_error="raise"), 0, 1)
-    # 10 % skipped is more than the default max_skipped_fraction (1 %): the epoch fails, saying so.
-    with pytest.raises(ValueError, match=r"2 of 20 samples \(10\.00 %\).*max_skipped_fraction=0\.01"):
+    # One skip is already more than the default max_skipped_fraction (1 %) of the 20 samples the epoch plans: the pass
+    # fails at the first check after one (batches 1, 2, 4, ...), saying so, not at its end.
+    # (this epoch's order meets the broken samples in batches 3 and 4 of 5)
+    with pytest.raises(ValueError, match=r"after 4 batch\(es\) of its pass\): 2 of 20 .*max_skipped_fraction=0\.01"):
         _batches(_dm(shards, train_urls=urls, regroup="none", batch_size=4), 0, 1)
+
+
+def test_a_pass_fails_at_its_first_batch_once_skips_exceed_the_threshold_of_its_plan(tmp_path, shards):
+    """Every image broken behind a valid header (found only when decoding): the first batch already skips 4 of the 20
+    samples the epoch plans, more than 1 % of them whatever the rest brings, so the pass fails there instead of
+    running every batch empty first."""
+    _write_shard(tmp_path / "bad-000000.tar", 0, 20, corrupt=set(range(20)))
+    dm = _attach(_dm(shards, train_urls=str(tmp_path / "bad-000000.tar"), regroup="none", batch_size=4), 0, 1)
+    fetched = []
+    with pytest.raises(ValueError, match=r"after 1 batch\(es\) of its pass\): 4 of 20 samples \(20\.00 %\)"):
+        for batch in dm.train_dataloader():
+            fetched.append(batch)
+    assert fetched == []
+
+
+class _TokenMean(L.LightningModule):
+    """The cheapest module a Trainer can fit on these batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+
+    def training_step(self, batch, batch_idx):
+        return self.weight * batch.tokens.float().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_a_fit_stopped_inside_an_epoch_fails_when_what_it_read_skipped_too_much(tmp_path, shards, capsys):
+    """``max_steps`` ends the fit before the epoch's end, where a pass is checked: the DataModule's teardown checks the
+    part of the pass the fit read. 3 broken samples in the first two batches of a 40-sample epoch stay under the
+    early bound (10 % of 40 = 4) but are 37.5 % of the 8 samples the 2 steps read."""
+    _write_shard(tmp_path / "train-000000.tar", 0, 40)
+    urls = str(tmp_path / "train-000000.tar")
+    settings = dict(train_urls=urls, regroup="none", batch_size=4, max_skipped_fraction=0.1)
+    probe = _attach(_dm(shards, **settings), 0, 1)  # the epoch's order: the same records either way
+    records, _ = probe._index("train")
+    first_two = probe.train_dataloader().dataset.plan(0).batches[:2]
+    broken = {int(records[i].key[1:]) for i in [i for batch in first_two for row in batch for i in row][:3]}
+    _write_shard(tmp_path / "train-000000.tar", 0, 40, corrupt=broken)
+
+    def fit(max_steps):
+        trainer = quiet_trainer(1, "auto", max_steps)
+        trainer.fit(_TokenMean(), datamodule=_dm(shards, **settings))
+
+    with pytest.raises(
+        ValueError, match=r"data \(train, epoch 0, stopped after 2 batch\(es\)\): 3 of 8 samples \(37\.50 %\)"
+    ):
+        fit(max_steps=2)
+    fit(max_steps=10)  # the whole epoch: 3 of 40 skipped, under 10 %
+
+
+def test_shards_through_links_out_of_their_directory_or_listed_twice_are_refused(shards, tmp_path):
+    outside, data = tmp_path / "outside", tmp_path / "data"
+    outside.mkdir()
+    data.mkdir()
+    _write_shard(outside / "x.tar", 0, 3)
+    (data / "link.tar").symlink_to(outside / "x.tar")
+    with pytest.raises(ValueError, match=r"train_urls: .*link\.tar' resolves to .*x\.tar', outside its directory"):
+        _batches(_dm(shards, train_urls=str(data / "*.tar")), 0, 1)
+    with pytest.raises(ValueError, match=r"train_urls: .*link\.tar' resolves to .*outside its directory"):
+        _batches(_dm(shards, train_urls=[str(data / "link.tar")]), 0, 1)  # named, not globbed: refused all the same
+    (tmp_path / "linked_dir").symlink_to(shards.root)  # a data directory that is itself a link is fine
+    assert _batches(_dm(shards, train_urls=str(tmp_path / "linked_dir" / "train-{000000..000004}.tar")), 0, 1)
+    twice = [shards.train, str(tmp_path / "linked_dir" / "train-000001.tar")]
+    with pytest.raises(ValueError, match=r"train_urls: shard .*train-000001\.tar' is listed twice \(as .*train-000001"):
+        _batches(_dm(shards, train_urls=twice), 0, 1)
+
+
+def _dataset_copy(tmp_path):
+    import shutil
+
+    copy = tmp_path / "dataset"
+    shutil.copytree(ensure_synthetic_shards("tiny"), copy)
+    return copy
+
+
+def _edit_manifest(directory, edit) -> None:
+    import json
+
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def test_manifest_errors_name_the_file_and_the_field(shards, tmp_path):
+    def dm(directory):
+        return _dm(shards, train_urls=None, val_urls=None, data_dir=str(directory), tokenizer=None)
+
+    broken = _dataset_copy(tmp_path / "not_json")
+    (broken / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"data_dir: '.*manifest\.json' is not valid JSON"):
+        _batches(dm(broken), 0, 1)
+    cases = [
+        (lambda m: m.pop("splits"), r"needs a \"splits\" object"),
+        (lambda m: m["splits"]["train"]["samples_per_shard"].pop(), r'splits\["train"\] needs "shards"'),
+        (lambda m: m["splits"]["val"].update(shards=["../v.tar"], samples_per_shard=[1]), r"v\.tar' resolves to"),
+        (lambda m: m["splits"]["train"]["shards"].__setitem__(0, "/etc/passwd"), r"'/etc/passwd' resolves to"),
+        (lambda m: m.__setitem__("tokenizer", "../tokenizer.json"), r"tokenizer: .*outside its directory"),
+    ]
+    for number, (edit, message) in enumerate(cases):
+        copy = _dataset_copy(tmp_path / f"case{number}")
+        _edit_manifest(copy, edit)
+        with pytest.raises(ValueError, match=message):
+            _batches(dm(copy), 0, 1)
+
+
+def test_a_shard_holding_fewer_samples_than_its_manifest_lists_counts_the_missing_ones(shards, tmp_path):
+    """A shard rewritten with 10 samples where manifest.json lists 64: 54 samples counted as skipped (shard_short),
+    named, and over max_skipped_fraction the run fails instead of training on 202 of the 256 samples."""
+    copy = _dataset_copy(tmp_path)
+    _write_shard(copy / "train-000001.tar", 0, 10)
+    settings = dict(train_urls=None, val_urls=None, data_dir=str(copy), tokenizer=None)
+    with pytest.raises(ValueError, match=r"data \(train, indexed\): 54 of 256 samples .*'shard_short': 54"):
+        _batches(_dm(shards, **settings), 0, 1)
+    dm = _dm(shards, **settings, max_skipped_fraction=0.5)
+    _batches(dm, 0, 1)
+    assert dm.error_log.counts["shard_short"] == 54
+    assert "manifest.json lists 64" in dm.error_log.shard_notes[str(copy / "train-000001.tar")]
 
 
 def test_missing_shard_fails_naming_it_whatever_the_policy(shards, tmp_path):
@@ -426,6 +553,22 @@ def test_long_captions_are_cut_and_counted(shards):
     batches = _batches(dm, 0, 1)
     assert max(b.tokens.shape[1] for b in batches) <= 6
     assert dm.error_log.counts["caption_truncated"] > 0
+
+
+def test_a_huge_caption_is_cut_before_tokenizing_without_changing_its_kept_tokens(shards):
+    """Only the first max_text_tokens ids of a caption are used; a multi-MB caption is cut well past them before the
+    tokenizer sees it (which cost ~275 bytes per character), and the ids kept are the uncut caption's."""
+    from lightning_mm.datamodules.decode import SampleRecord
+
+    dm = _dm(shards, max_text_tokens=48)
+    words = " ".join(f"word{i % 97} colour{i % 13}, the {i}th" for i in range(40_000))  # ~1 MB
+    record = SampleRecord("s.tar", "s000000", 0, {"txt": (0, len(words))}, None, 0, 0, words)
+    limit = dm._caption_chars()
+    assert 48 < limit < len(words) // 100
+    (kept,), (ids,) = dm._tokenize([record])
+    assert kept is record
+    uncut = dm.tokenizer.tokenizer.encode(words, add_special_tokens=False).ids
+    assert len(ids) < len(uncut) and ids[:48] == uncut[:48]
 
 
 @pytest.mark.parametrize("regroup", ["none", "pack"])
