@@ -644,7 +644,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         # A fit that stopped inside an epoch (max_steps, early stopping) never reached the end of its pass: check what
         # it did train on. (Lightning calls this hook after a fit that ended without an exception, on every rank.)
         train = self._passes.get("train")
-        if getattr(stage, "value", stage) == "fit" and train is not None and not train["ended"]:
+        if getattr(stage, "value", stage) == "fit" and train is not None and not train["ended"] and train["fetched"]:
             self._end_pass("train", stopped=True)
         rank = self._global_rank()
         if rank == 0:  # the whole run, indexing and every pass (this rank's decode-time skips)
