@@ -204,6 +204,14 @@ def _check_existing(output_dir: Path, params: dict[str, Any], overwrite: bool) -
             "manifest; refusing to touch it"
         )
     if overwrite:
+        # Regenerating replaces the whole directory: a file the dataset does not list (notes, a user's own shards)
+        # would go with it, so refuse instead of deleting what this tool did not write.
+        foreign = sorted(p.name for p in output_dir.iterdir() if p.name not in _dataset_files(manifest))
+        if foreign:
+            raise FileExistsError(
+                f"output_dir {output_dir} holds {len(foreign)} file(s) the dataset does not list ({foreign[:5]}); "
+                "regenerating replaces the whole directory, so move them out first"
+            )
         return None
     if manifest.get("generator") == params:
         return manifest_path
@@ -211,6 +219,15 @@ def _check_existing(output_dir: Path, params: dict[str, Any], overwrite: bool) -
         f"output_dir {output_dir} already holds a synthetic dataset generated with different "
         f"parameters ({manifest.get('generator')}); regenerate with overwrite=True (--force)"
     )
+
+
+def _dataset_files(manifest: dict[str, Any]) -> set[str]:
+    """The names a dataset written by :func:`make_shards` holds: its manifest, tokenizer and shards."""
+    names = {MANIFEST_NAME, str(manifest.get("tokenizer", TOKENIZER_NAME))}
+    for split in (manifest.get("splits") or {}).values():
+        if isinstance(split, dict):
+            names.update(str(name) for name in split.get("shards") or [])
+    return names
 
 
 def _encode_image(image: Image.Image, image_format: str) -> bytes:

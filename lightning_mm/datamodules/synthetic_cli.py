@@ -89,7 +89,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--png-fraction", type=float, default=None, help="fraction of images stored as PNG instead of JPEG, in [0, 1]"
     )
     parser.add_argument(
-        "--force", action="store_true", help="regenerate even if the output directory already holds a manifest"
+        "--force",
+        action="store_true",
+        help="regenerate a dataset made with other parameters (the directory is replaced; refused while it holds "
+        "files the dataset does not list)",
     )
     return parser
 

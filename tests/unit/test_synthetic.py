@@ -315,6 +315,11 @@ def test_make_shards_reuses_and_refuses(tmp_path: Path) -> None:
     make_shards(out, num_train=4, num_val=1, **SMALL, overwrite=True)
     assert _manifest(out)["splits"]["train"]["num_samples"] == 4
     assert [p.name for p in tmp_path.iterdir()] == ["ds"]
+    # A file the dataset does not list would be deleted with the directory it is replaced by: refused, kept.
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"holds 1 file\(s\) the dataset does not list \(\['notes\.txt'\]\)"):
+        make_shards(out, num_train=5, num_val=1, **SMALL, overwrite=True)
+    assert (out / "notes.txt").read_text() == "keep me" and _manifest(out)["splits"]["train"]["num_samples"] == 4
 
     foreign = tmp_path / "foreign"
     foreign.mkdir()
