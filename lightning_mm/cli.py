@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(_overview())
         raise SystemExit(0)
+    if not argv[0].startswith("-") and argv[0] not in (*_TRAINER_COMMANDS, "predict"):
+        # (LightningCLI would list only its own subcommands, not the tools)
+        choices = ", ".join([*_TRAINER_COMMANDS, "predict", *_TOOLS])
+        print(f"lightning-mm: unknown subcommand {argv[0]!r}; choose from {choices}", file=sys.stderr)
+        raise SystemExit(2)
     configure_wandb_mode()
     # (the process's own run only: a caller's process keeps its collector, and garbage it has not collected yet)
     with imports_kept_out_of_collections() if from_command_line else contextlib.nullcontext():

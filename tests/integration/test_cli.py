@@ -222,6 +222,15 @@ def test_console_script_help_lists_subcommands():
         assert word in out
 
 
+def test_an_unknown_subcommand_lists_the_tools_too(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["nosuchcmd"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "unknown subcommand 'nosuchcmd'; choose from fit, validate, test, predict, make-shards" in error
+    assert "plan" in error
+
+
 def test_command_line_imports_are_frozen_and_collection_restored(monkeypatch):
     """``lightning-mm fit`` as the process's own command imports Lightning with the collector off and freezes what the
     imports built; called with arguments (a caller's process), it leaves the collector alone."""
