@@ -33,22 +33,38 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.common import EpochAwareLoader, data_parallel_rank_and_size, expand_urls, load_manifest
-from lightning_mm.datamodules.decode import IMAGE_KEYS, TEXT_KEYS, ErrorLog, load_rgb_image
+from lightning_mm.datamodules.decode import IMAGE_KEYS, TEXT_KEYS, ErrorLog, _first_nonzero_byte, load_rgb_image
 from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patchify
 
 __all__ = ["SimpleImageTextDataModule", "count_samples"]
 
 
 def count_samples(shard: str) -> int:
-    """Samples (distinct ``__key__`` prefixes) in a local tar shard, from its headers only."""
+    """Samples (distinct ``__key__`` prefixes) in a local tar shard, from its headers only.
+
+    This baseline has no skip policy, so what the streaming reader would silently pass over raises here, naming the
+    shard: data after the end-of-archive block (a header zeroed mid-shard, tars joined with ``cat``: the reader stops
+    at the block) and link members (the reader drops them: a sample would train without its file)."""
     keys = set()
     try:
-        with tarfile.open(shard) as tar:
+        with open(shard, "rb") as raw, tarfile.open(fileobj=raw) as tar:
             for member in tar:
+                if member.issym() or member.islnk():
+                    raise ValueError(
+                        f"shard {shard!r}: member {member.name!r} is a link to {member.linkname!r}; write its data "
+                        "into the tar (SimpleImageTextDataModule reads regular files only)"
+                    )
                 if member.isfile():
                     keys.add(member.name.split(".", 1)[0])
+            end = tar.offset
+            after = _first_nonzero_byte(raw, end + tarfile.BLOCKSIZE)
     except tarfile.TarError as err:
         raise ValueError(f"shard {shard!r} is not a readable tar file ({err})") from err
+    if after is not None:
+        raise ValueError(
+            f"shard {shard!r}: non-zero data at offset {after} follows the end-of-archive block at offset {end} (a "
+            "header zeroed in the middle of the shard, or tars joined with cat); its samples past it would be lost"
+        )
     return len(keys)
 
 
@@ -271,6 +287,16 @@ class SimpleImageTextDataModule(L.LightningDataModule):
         else:
             dataset = load_manifest(hp.data_dir, hp.synthetic_preset)
             splits = {split: (dataset.shards[split], dataset.samples_per_shard[split]) for split in ("train", "val")}
+            for shards, sizes in splits.values():
+                for shard, size in zip(shards, sizes, strict=True):
+                    # The steps every rank runs are planned from these counts: a shard holding fewer samples would
+                    # end some ranks' streams early (unequal steps hang data parallelism), more would go unread.
+                    found = count_samples(shard)
+                    if found != size:
+                        raise ValueError(
+                            f"data_dir: shard {shard!r} holds {found} samples where manifest.json lists {size}; "
+                            "regenerate the dataset (lightning-mm make-shards --force) or fix the manifest"
+                        )
             tokenizer_path = hp.tokenizer or dataset.tokenizer
         self._tokenizer = TextTokenizer(tokenizer_path)
         self._splits = splits

@@ -97,3 +97,35 @@ def test_explicit_urls_and_tokenizer(tiny_dir):
     batch = next(iter(_rank_loader(dm, 0, 1)))
     assert batch.tokens.max() < dm.vocab_size
     assert torch.all(batch.tokens[:, 0] == dm.tokenizer.bos_id)
+
+
+def test_shards_the_stream_would_read_short_fail_naming_the_shard(tiny_dir, tmp_path):
+    """The baseline raises where its streaming reader would silently read less: two tars joined with cat (the reader
+    stops at the first end-of-archive block), a link member (the reader drops it), a shard holding fewer samples
+    than manifest.json lists (the steps planned from it would end some ranks' streams early)."""
+    import shutil
+    import tarfile
+
+    from lightning_mm.datamodules.simple import count_samples
+
+    shard = tiny_dir / "train-000000.tar"
+    joined = tmp_path / "joined.tar"
+    joined.write_bytes(shard.read_bytes() + (tiny_dir / "train-000001.tar").read_bytes())
+    with pytest.raises(ValueError, match=r"joined\.tar': non-zero data at offset \d+ follows the end-of-archive"):
+        count_samples(str(joined))
+    assert count_samples(str(shard)) == 64  # zero padding after the block is fine
+    linked = tmp_path / "linked.tar"
+    with tarfile.open(linked, "w") as tar:
+        info = tarfile.TarInfo("s000001.jpg")
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(info)
+    with pytest.raises(ValueError, match=r"linked\.tar': member 's000001\.jpg' is a link to '/etc/passwd'"):
+        count_samples(str(linked))
+
+    copy = tmp_path / "dataset"
+    shutil.copytree(tiny_dir, copy)
+    with tarfile.open(copy / "train-000002.tar", "w") as tar:  # a valid shard with 0 of its 64 samples
+        pass
+    dm = SimpleImageTextDataModule(data_dir=str(copy), batch_size=8)
+    with pytest.raises(ValueError, match=r"train-000002\.tar' holds 0 samples where manifest\.json lists 64"):
+        dm.prepare_data()
