@@ -336,6 +336,7 @@ class ImageTextWebDataModule(L.LightningDataModule):
         self._curriculum_printed: int | None = None
         self._known_samples: dict[str, int] = {}  # shard -> samples, from a manifest (damaged-shard accounting)
         self._caption_limit: int | None = None  # (_caption_chars)
+        self._said_shared = False  # (_sources)
         self._shard_digests: dict[str, str] = {}  # train shard -> content digest taken at indexing (fingerprint)
         self._tokenizer_digest: str | None = None
         self.filter_counts: dict[str, int] = dict.fromkeys(FILTER_KINDS, 0)
@@ -419,6 +420,16 @@ class ImageTextWebDataModule(L.LightningDataModule):
                         f"{split}_urls: {len(missing)} of {len(listed)} listed shard(s) missing: {missing[:5]}"
                         + (" ..." if len(missing) > 5 else "")
                     )
+            shared = sorted(
+                {str(Path(u).resolve()) for u in expanded["train"]} & {str(Path(u).resolve()) for u in expanded["val"]}
+            )
+            if shared and self._global_rank() == 0 and not self._said_shared:
+                self._said_shared = True  # (_sources runs for each split and the tokenizer: say it once)
+                # (allowed: overfitting a small set on purpose is a use; a typo in a glob is the usual cause)
+                _print(
+                    f"data: train_urls and val_urls share {len(shared)} shard(s) ({shared[:3]}): validation scores "
+                    "samples the model trains on"
+                )
             return expanded, hp.tokenizer
         dataset = load_manifest(hp.data_dir, hp.synthetic_preset)
         # (what a damaged shard held, for counting its lost samples: see decode.account_damaged_shards)

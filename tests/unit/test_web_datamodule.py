@@ -222,6 +222,14 @@ def test_shards_through_links_out_of_their_directory_or_listed_twice_are_refused
         _batches(_dm(shards, train_urls=twice), 0, 1)
 
 
+def test_train_and_val_sharing_a_shard_is_said_once(shards, capsys):
+    dm = _dm(shards, val_urls=str(shards.root / "train-000002.tar"))
+    _batches(dm, 0, 1)
+    list(dm.val_dataloader())
+    printed = capsys.readouterr().err
+    assert printed.count("train_urls and val_urls share 1 shard(s)") == 1 and "train-000002.tar" in printed
+
+
 def _dataset_copy(tmp_path):
     import shutil
 
