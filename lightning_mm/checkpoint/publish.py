@@ -76,11 +76,33 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     # Older than `path` now: a finished file whose publish was killed before it began, a copy moved aside.
     _remove(_sibling(path, "new"))
     _remove(_sibling(path, "old"))
-    with open(partial, "wb") as file:
-        write(file)
-        file.flush()
-        os.fsync(file.fileno())
+    file = open(partial, "wb")  # (a failed open leaves nothing to remove)
+    try:
+        with file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        partial.unlink(missing_ok=True)  # (torn: nothing could ever publish it)
+        raise
     _publish(partial, path)
+
+
+def _output_error(output: Path, what: str, error: OSError) -> OSError:
+    """``error`` (the OS's, raised while creating ``output``, its parent directories or the staging file beside it)
+    as an error of the same kind whose message names ``output`` as the user gave it (``what``: e.g. "OUT") and says
+    why (the OS names a parent directory or the hidden staging file instead)."""
+    blocker = next((parent for parent in output.parents if parent.exists() or parent.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        # (mkdir says "File exists" about the file in the way)
+        kind, code, reason = NotADirectoryError, errno.ENOTDIR, f"{str(blocker)!r} is not a directory"
+    else:
+        kind, code, reason = type(error), error.errno, error.strerror or str(error)
+        if error.filename is not None and str(error.filename) != str(output):
+            reason += f" ({str(error.filename)!r})"
+    wrapped = kind(f"{what} {str(output)!r} cannot be written: {reason}")
+    wrapped.errno = code
+    return wrapped
 
 
 def check_complete(path: str | Path) -> None:

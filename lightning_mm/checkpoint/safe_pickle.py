@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import io
 import itertools
+import os
 import pathlib
 import pickle
 import pickletools
@@ -34,13 +35,28 @@ def safe_load(path: str | Path | io.BytesIO, what: str, weights_only: bool | Non
 
     ``weights_only=None`` counts as ``True``. A refused file raises :class:`UnsafeCheckpointError` naming ``what``
     (e.g. the file) and the opt-in; nothing in it has run by then (torch's weights-only unpickler stops at the first
-    global it does not admit).
+    global it does not admit). Any other failure to parse the file (empty, cut off, garbage, a zip that is no torch
+    archive) raises :class:`CorruptCheckpointError` naming ``what``; a file that cannot be opened raises the OS's
+    error, and a checkpoint that needs a device or memory this machine lacks raises torch's.
     """
     if weights_only is False:
         return torch.load(path, weights_only=False, **kwargs)
+    # The caller's mistakes would surface inside torch.load, where they would pass for damage: checked here.
+    if "pickle_module" in kwargs:
+        raise TypeError("safe_load reads with torch's weights-only unpickler: pickle_module is not accepted")
+    is_path = isinstance(path, (str, os.PathLike))
+    if kwargs.get("mmap") and not is_path:
+        raise ValueError(f"safe_load({what}): mmap=True needs a file path, not a file object")
+    if is_path:
+        # Opening is not parsing: a missing file, a directory or one without read permission raises its OSError
+        # here, so that any error of torch.load below is about the file's bytes.
+        with open(path, "rb"):
+            pass
     try:
         return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as error:
+        if isinstance(error, CheckpointError):
+            raise
         reason = str(error).strip().splitlines()
         detail = next((line for line in reason if "GLOBAL" in line or "Unsupported" in line), None)
         if detail is None or _is_unknown_opcode(detail):  # not a refused object: a damaged file
@@ -50,13 +66,38 @@ def safe_load(path: str | Path | io.BytesIO, what: str, weights_only: bool | Non
             f"refusing to load {what}: it holds objects that torch.load(weights_only=True) does not admit "
             f"({detail.strip()}), and unpickling them could run arbitrary code; {_OPT_IN}"
         ) from None
-    except (EOFError, RuntimeError) as error:
-        # torch raises EOFError for an empty / cut-off legacy file, RuntimeError for a damaged (or not a) zip
-        # container; any other RuntimeError is not about the file and propagates as it is.
-        damaged = ("zip archive", "PytorchStreamReader", "mmap can only be used", "magic number", "EOF")
-        if isinstance(error, RuntimeError) and not any(sign in str(error) for sign in damaged):
+    except (MemoryError, CheckpointError):
+        raise  # (MemoryError: a large genuine checkpoint on a small machine is not damage)
+    except Exception as error:
+        # torch's readers are not hardened against damage: bytes they cannot parse surface as whatever broke
+        # (EOFError, KeyError / IndexError of the unpickler's memo or stack, struct.error, UnicodeDecodeError,
+        # OSError of a seek, RuntimeError of the zip reader, ...), so every error is the file's but these two.
+        if isinstance(error, RuntimeError) and any(sign in str(error) for sign in _NOT_THE_FILE):
             raise
-        raise CorruptCheckpointError(f"{what} is corrupt or truncated and cannot be read ({error})") from error
+        reason = "the file is empty" if _size(path) == 0 else _first_line(error)
+        raise CorruptCheckpointError(f"{what} is corrupt or truncated and cannot be read ({reason})") from error
+
+
+# RuntimeErrors of torch.load that are about this machine, not the file: tensors saved on a device it lacks (without
+# map_location), and an allocation that failed (torch.OutOfMemoryError, or the CPU allocator's message).
+_NOT_THE_FILE = ("Attempting to deserialize object on", "out of memory", "can't allocate memory")
+
+
+def _size(path: str | Path | io.BytesIO) -> int | None:
+    """The size of the file ``path`` (a path or a ``BytesIO``); ``None`` where it cannot be told."""
+    try:
+        if isinstance(path, io.BytesIO):
+            return path.getbuffer().nbytes
+        return os.stat(path).st_size if isinstance(path, (str, os.PathLike)) else None
+    except OSError:
+        return None
+
+
+def _first_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters), for a one-line error."""
+    line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    line = line if len(line) <= 200 else line[:197] + "..."
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
 def _is_unknown_opcode(detail: str) -> bool:

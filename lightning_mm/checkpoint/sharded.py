@@ -41,14 +41,17 @@ from lightning_mm.checkpoint.files import (
 from lightning_mm.checkpoint.publish import (
     _newest_complete,
     _on_rank_zero,
+    _output_error,
     _publish,
     _recover,
     _remove,
     _sibling,
     _write_complete_marker,
     check_complete,
+    write_atomically,
 )
 from lightning_mm.checkpoint.safe_pickle import safe_load
+from lightning_mm.validation import escapes_directory
 
 
 def _optimizer_key(index: int) -> str:
@@ -278,9 +281,11 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path, weights_only: bo
     Runs in one process with no process group (DCP reads every shard). The file holds ``state_dict`` (full
     tensors, unsharded FQNs), ``optimizer_states`` (keyed by parameter index), the loops / schedulers /
     callbacks / hyper-parameters of ``meta.pt`` and the source topology under :data:`TOPOLOGY_KEY`
-    (with ``"consolidated": True``). Returns that topology.
+    (with ``"consolidated": True``). Returns that topology. ``output`` is written beside itself and renamed into
+    place; one inside ``checkpoint_dir`` raises ``ValueError`` (it would change the checkpoint being read).
     """
-    checkpoint_dir, output = _newest_complete(Path(checkpoint_dir)), Path(output)
+    given, output = Path(checkpoint_dir), Path(output)
+    checkpoint_dir = _newest_complete(given)
     if checkpoint_dir.is_dir():
         check_complete(checkpoint_dir)
     if not is_sharded_checkpoint(checkpoint_dir):
@@ -288,9 +293,25 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path, weights_only: bo
             f"CKPT_DIR {str(checkpoint_dir)!r} is not a sharded checkpoint directory "
             f"(expected .metadata and {METADATA_FILE} inside it)"
         )
+    for directory in dict.fromkeys((given, checkpoint_dir)):
+        if _is_inside(output, directory):
+            # (OUT = CKPT_DIR/meta.pt replaced the checkpoint's own file: the checkpoint was gone once written)
+            raise ValueError(
+                f"OUT {str(output)!r} lies inside CKPT_DIR {str(directory)!r}: writing it would change the "
+                "checkpoint it is read from; give a path outside the checkpoint directory"
+            )
+        if any(_is_inside(_sibling(output, kind), directory) for kind in ("partial", "new", "old")):
+            # (write_atomically first recovers or removes the hidden copies of a checkpoint named OUT)
+            raise ValueError(
+                f"OUT {str(output)!r} would replace CKPT_DIR {str(directory)!r}, which is a hidden copy of a "
+                f"checkpoint named {output.name!r}; give OUT another name"
+            )
     if output.is_dir():
         raise IsADirectoryError(f"OUT {str(output)!r} is a directory; give a file name such as model.ckpt")
-    output.parent.mkdir(parents=True, exist_ok=True)
+    try:  # (before the checkpoint is read: an OUT that cannot be created fails at once)
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _output_error(output, "OUT", error) from error
     checkpoint = _read_meta(checkpoint_dir, weights_only)
     # What torch's dcp_to_torch_save does, in memory and with the safe reader / planner (it uses plain pickle for
     # .metadata and weights_only=False for non-tensor items).
@@ -307,8 +328,18 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path, weights_only: bo
     checkpoint["optimizer_states"] = [optimizer_state_by_index(full[_optimizer_key(i)]) for i in range(count)]
     topology = {**checkpoint.get(TOPOLOGY_KEY, {}), "consolidated": True}
     checkpoint[TOPOLOGY_KEY] = topology
-    torch.save(checkpoint, output)
+    try:
+        # Written beside OUT and renamed over it: an interrupted run leaves the previous OUT (or none), never a
+        # torn file that a later resume would fail on.
+        write_atomically(output, lambda file: torch.save(checkpoint, file))
+    except OSError as error:
+        raise _output_error(output, "OUT", error) from error
     return topology
+
+
+def _is_inside(path: Path, directory: Path) -> bool:
+    """Whether ``path`` is ``directory`` or lies inside it, links and ``..`` resolved."""
+    return escapes_directory(path, directory) is None
 
 
 def consolidate_main(argv: Sequence[str]) -> int:
@@ -325,7 +356,8 @@ def consolidate_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     try:
         topology = consolidate(args.checkpoint_dir, args.output)
-    except (FileNotFoundError, IsADirectoryError, CheckpointError) as error:
+    except (OSError, ValueError, CheckpointError) as error:
+        # (OSError: CKPT_DIR missing or unreadable, OUT not writable; ValueError: OUT inside CKPT_DIR)
         parser.exit(2, f"lightning-mm consolidate: error: {error}\n")
     mesh = topology.get("mesh", {})
     source = " x ".join(f"{name}{size}" for name, size in mesh.items() if size > 1) or "1 process"

@@ -6,6 +6,7 @@ on. One process, no process group."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import pathlib
 import pickle
@@ -251,6 +252,82 @@ def test_consolidate_prints_one_line_for_a_corrupt_checkpoint(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("lightning-mm consolidate: error: ") and ".metadata" in err, err
+
+
+def _consolidate_cli(capsys, checkpoint_dir: Path, output: Path) -> str:
+    """``lightning-mm consolidate``'s one-line error (exit 2, no traceback)."""
+    with pytest.raises(SystemExit) as exited:
+        ckpt.consolidate_main([str(checkpoint_dir), str(output)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("lightning-mm consolidate: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("content", [b"hello world\n", b"", b"\x80\x02X\x02\x00\x00\x00\xc5\x28."])
+def test_consolidate_prints_one_line_for_a_damaged_meta_pt(tmp_path, capsys, content):
+    _save(tmp_path / "ck")
+    (tmp_path / "ck" / ckpt.METADATA_FILE).write_bytes(content)
+    _reseal(tmp_path / "ck")
+    err = _consolidate_cli(capsys, tmp_path / "ck", tmp_path / "out.ckpt")
+    assert f"{tmp_path / 'ck' / ckpt.METADATA_FILE} is corrupt or truncated" in err and "()" not in err, err
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+@pytest.mark.parametrize("inside", ["ck/meta.pt", "ck/new.ckpt", "ck/sub/../model.ckpt", "link/model.ckpt"])
+def test_consolidate_refuses_an_out_inside_the_checkpoint_directory(tmp_path, capsys, inside):
+    _save(tmp_path / "ck")
+    (tmp_path / "link").symlink_to(tmp_path / "ck")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()}
+    output = tmp_path / inside
+    with pytest.raises(ValueError, match=f"OUT {str(output)!r} lies inside CKPT_DIR {str(tmp_path / 'ck')!r}"):
+        ckpt.consolidate(tmp_path / "ck", output)
+    err = _consolidate_cli(capsys, tmp_path / "link", output)  # (the directory given through a link)
+    assert f"OUT {str(output)!r} lies inside CKPT_DIR {str(tmp_path / 'link')!r}" in err, err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == before
+    _load(tmp_path / "ck")
+
+
+def test_consolidate_refuses_an_out_that_would_replace_the_hidden_copy_it_reads(tmp_path):
+    # (.ck.old is what an interrupted publish leaves; writing OUT=ck first recovers .ck.old into ck's place)
+    _save(tmp_path / ".ck.old")
+    with pytest.raises(ValueError, match=r"OUT '.*ck' would replace CKPT_DIR '.*\.ck\.old'"):
+        ckpt.consolidate(tmp_path / ".ck.old", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+    ckpt.check_complete(tmp_path / ".ck.old")
+
+
+@pytest.mark.parametrize("under", ["afile/model.ckpt", "afile/sub/model.ckpt"])
+def test_consolidate_prints_one_line_for_an_out_under_a_regular_file(tmp_path, capsys, under):
+    _save(tmp_path / "ck")
+    (tmp_path / "afile").write_text("not a directory")
+    output = tmp_path / under
+    with pytest.raises(NotADirectoryError, match=f"OUT {str(output)!r} cannot be written: .*afile' is not a dir"):
+        ckpt.consolidate(tmp_path / "ck", output)
+    err = _consolidate_cli(capsys, tmp_path / "ck", output)
+    assert f"OUT {str(output)!r} cannot be written: {str(tmp_path / 'afile')!r} is not a directory" in err, err
+
+
+def test_consolidate_writes_out_atomically(tmp_path, capsys, monkeypatch):
+    _save(tmp_path / "ck")
+    output = tmp_path / "out.ckpt"
+    output.write_bytes(b"the previous consolidation")
+    save = torch.save
+
+    def save_then_fail(obj, file, *args, **kwargs):
+        file.write(b"half of a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", save_then_fail)
+    err = _consolidate_cli(capsys, tmp_path / "ck", output)
+    assert f"OUT {str(output)!r} cannot be written: No space left on device" in err, err
+    assert output.read_bytes() == b"the previous consolidation"  # (never torn)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out.ckpt"]  # (no .out.ckpt.partial left)
+    monkeypatch.setattr(torch, "save", save)
+    ckpt.consolidate(tmp_path / "ck", output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out.ckpt"]
+    assert ckpt.read_topology(output)["consolidated"] is True
 
 
 # ----------------------------------------------------------------------------------------------- item 14

@@ -4,8 +4,13 @@ and how to opt in, and the payload (which would create a file) never runs. One p
 
 from __future__ import annotations
 
+import errno
+import io
 import pickle
+import random
 import re
+import struct
+import zipfile
 from pathlib import Path
 
 import lightning as L
@@ -179,3 +184,109 @@ def test_a_damaged_file_is_reported_as_corrupt_not_as_unsafe(tmp_path):
     for name in ("cut.ckpt", "garbage.ckpt"):
         with pytest.raises(ckpt.CorruptCheckpointError, match="corrupt or truncated"):
             ckpt.read_topology(tmp_path / name)
+
+
+# A damaged file is corrupt, whatever torch's readers raise on it (they are not hardened: a garbage pickle surfaces as
+# a KeyError of the memo, a cut-off one as struct.error, a zip that is no torch archive as a RuntimeError, ...).
+
+
+def _zip(name: str) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr(name, b"x")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("content", "raised", "reason"),
+    [
+        (b"", EOFError, "(the file is empty)"),
+        (b"hello world\n", KeyError, "(KeyError: 101)"),  # 'h' is BINGET 101 of a legacy pickle
+        (b"\x80\x02X\x02\x00\x00\x00\xc5\x28.", UnicodeDecodeError, "UnicodeDecodeError: 'utf-8' codec"),
+        (b"\x80\x02X\x05", struct.error, "(error: unpack requires a buffer of 4 bytes)"),
+        (b"\x80\x02.", IndexError, "(IndexError: pop from empty list)"),
+        (_zip("data.pkl"), RuntimeError, "file in archive is not in a subdirectory"),
+        (_zip("archive/data.pkl"), RuntimeError, 'hasRecord("version")'),
+    ],
+    ids=["empty", "text", "bad-utf8", "cut-int", "empty-stack", "flat-zip", "zip-without-version"],
+)
+def test_any_failure_to_parse_a_file_is_corrupt_naming_it(tmp_path, content, raised, reason):
+    path = tmp_path / "damaged.ckpt"
+    path.write_bytes(content)
+    for source in (path, io.BytesIO(content)):
+        with pytest.raises(ckpt.CorruptCheckpointError) as caught:
+            ckpt.safe_load(source, f"checkpoint {str(path)!r}", map_location="cpu")
+        message = str(caught.value)
+        assert message.startswith(f"checkpoint {str(path)!r} is corrupt or truncated and cannot be read ("), message
+        assert reason in message and not message.endswith("()"), message
+        assert isinstance(caught.value.__cause__, raised)  # (the case this input stands for)
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(errno.EINVAL, "Invalid argument"), ValueError("negative seek value -2763")], ids=repr
+)
+def test_a_seek_that_a_damaged_zip_directory_asks_for_is_corrupt(tmp_path, monkeypatch, error):
+    # (a cut-off zip whose directory points before the start: OSError from a file, ValueError from a BytesIO)
+    path = tmp_path / "cut.ckpt"
+    torch.save({"w": torch.zeros(2)}, path)
+
+    def load(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(torch, "load", load)
+    with pytest.raises(
+        ckpt.CorruptCheckpointError, match=r"cut\.ckpt is corrupt or truncated .*(Invalid argument|seek)"
+    ):
+        ckpt.safe_load(path, str(path))
+
+
+def test_what_is_not_the_files_bytes_is_raised_as_it_is(tmp_path, monkeypatch):
+    path = tmp_path / "ok.ckpt"
+    torch.save({"w": torch.zeros(2)}, path)
+    with pytest.raises(FileNotFoundError):  # (opening is not parsing)
+        ckpt.safe_load(tmp_path / "missing.ckpt", "missing")
+    with pytest.raises(IsADirectoryError):
+        ckpt.safe_load(tmp_path, "a directory")
+    with pytest.raises(ValueError, match="mmap=True needs a file path"):  # the caller's mistakes
+        ckpt.safe_load(io.BytesIO(path.read_bytes()), "buffer", mmap=True)
+    with pytest.raises(TypeError, match="pickle_module"):
+        ckpt.safe_load(path, str(path), pickle_module=pickle)
+    for error in (
+        RuntimeError("Attempting to deserialize object on a CUDA device but torch.cuda.is_available() is False."),
+        MemoryError(),
+    ):  # this machine's limits, not the file's damage
+
+        def load(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(torch, "load", load)
+        with pytest.raises(type(error)) as caught:
+            ckpt.safe_load(path, str(path))
+        assert not isinstance(caught.value, ckpt.CheckpointError)
+
+
+def test_seeded_damage_to_one_file_checkpoints_raises_only_corrupt_naming_the_file(tmp_path):
+    torch.manual_seed(0)
+    zipped = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.randn(3, 2)}, "global_step": 3, "hyper_parameters": {"lr": 0.1}}, zipped)
+    legacy = io.BytesIO()
+    torch.save({"epoch": 1, "name": "run"}, legacy, _use_new_zipfile_serialization=False)
+    rng = random.Random(0)
+    path = tmp_path / "fz.ckpt"
+    for _ in range(300):
+        data = bytearray(rng.choice([zipped.getvalue(), legacy.getvalue()]))
+        kind = rng.random()
+        if kind < 0.5:
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        elif kind < 0.8:
+            data = data[: rng.randrange(len(data))]
+        else:
+            data = bytearray(rng.randbytes(rng.randint(1, 64)))
+        path.write_bytes(data)
+        try:
+            ckpt.safe_load(path, str(path), map_location="cpu")
+        except ckpt.CorruptCheckpointError as error:
+            assert str(path) in str(error)
+        except ckpt.UnsafeCheckpointError:
+            pass  # (a flipped byte may spell an opcode that is refused)

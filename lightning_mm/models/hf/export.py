@@ -23,6 +23,9 @@ from typing import Any
 import torch
 
 from lightning_mm import checkpoint as ckpt
+from lightning_mm.checkpoint.errors import MODEL_KEY
+from lightning_mm.checkpoint.publish import _output_error
+from lightning_mm.checkpoint.sharded import _read_meta
 from lightning_mm.models.hf.pretrained import init_derived_buffers, is_adapter_name
 from lightning_mm.parallel.materialize import ties_kept
 
@@ -32,26 +35,71 @@ __all__ = ["export_main", "export_pretrained", "load_module"]
 def _read_hparams(path: Path, weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
     if path.is_dir():
         ckpt.check_complete(path)
-        metadata = ckpt.safe_load(path / ckpt.METADATA_FILE, str(path / ckpt.METADATA_FILE), weights_only)
+        metadata = _read_meta(path, weights_only)  # (inside the directory, no link followed; a dict)
     elif path.is_file():
         metadata = ckpt.safe_load(path, str(path), weights_only, map_location="cpu")
+        if not isinstance(metadata, dict):
+            raise ckpt.CorruptCheckpointError(f"{str(path)!r} holds a {type(metadata).__name__}, not a checkpoint")
     else:
         raise FileNotFoundError(f"checkpoint {str(path)!r} is neither a checkpoint directory nor a file")
     hparams = metadata.get("hyper_parameters")
     if not isinstance(hparams, dict):
-        raise ValueError(f"checkpoint {str(path)!r} has no hyper_parameters to rebuild HFCausalLMModule from")
+        found = "" if hparams is None else f" (hyper_parameters is a {type(hparams).__name__}, not a dict)"
+        raise ckpt.CheckpointMismatchError(
+            f"checkpoint {str(path)!r} has no hyper_parameters to rebuild HFCausalLMModule from{found}"
+        )
+    for key, kinds in _HPARAM_TYPES.items():
+        value = hparams.get(key)
+        if key in hparams and (not isinstance(value, kinds) or type(value) is bool):
+            # (else e.g. lora="x" fails deep inside peft, config="abc" inside dict(), naming no field)
+            expected = " or ".join("None" if kind is type(None) else _article(kind.__name__) for kind in kinds)
+            raise ckpt.CheckpointMismatchError(
+                f"checkpoint {str(path)!r}: hyper_parameters[{key!r}] is {_describe(value)}; expected {expected}"
+            )
     return metadata, hparams
 
 
-def _empty_module(hparams: dict[str, Any]):
+# What HFCausalLMModule builds the model from (the other hyper-parameters only steer training), with the types
+# its __init__ takes (a bool is no vocab size).
+_HPARAM_TYPES: dict[str, tuple[type, ...]] = {
+    "config": (dict, type(None)),
+    "pretrained": (str, type(None)),
+    "lora": (dict, type(None)),
+    "vocab_size": (int, type(None)),
+    "attn_implementation": (str,),
+}
+
+
+def _article(name: str) -> str:
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def _describe(value: Any) -> str:
+    if type(value) in (str, int, float, bool):
+        text = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        return f"{text} ({_article(type(value).__name__)})"
+    return _article(type(value).__name__)
+
+
+def _empty_module(hparams: dict[str, Any], path: Path):
     """The checkpoint's ``HFCausalLMModule`` on the meta device: no weight read (the checkpoint holds them all)."""
     from lightning_mm.models.hf.module import HFCausalLMModule
 
     accepted = set(inspect.signature(HFCausalLMModule.__init__).parameters) - {"self", "model"}
-    with torch.device("meta"):
-        module = HFCausalLMModule(**{key: value for key, value in hparams.items() if key in accepted})
-        if module.model is None:  # a fine-tuned pretrained model: its directory's config only
-            module.build_pretrained(empty=True)
+    try:
+        with torch.device("meta"):
+            module = HFCausalLMModule(**{key: value for key, value in hparams.items() if key in accepted})
+            if module.model is None:  # a fine-tuned pretrained model: its directory's config only
+                module.build_pretrained(empty=True)
+    except (TypeError, ValueError, KeyError) as error:
+        # Values of the right types that transformers or peft refuse (an unknown model_type, a LoRA setting of
+        # another peft version): the checkpoint's, named as such on one line.
+        line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        line = line if len(line) <= 300 else line[:297] + "..."
+        raise ckpt.CheckpointMismatchError(
+            f"checkpoint {str(path)!r}: its hyper_parameters do not build an HFCausalLMModule "
+            f"({type(error).__name__}: {line})"
+        ) from error
     return module
 
 
@@ -59,7 +107,13 @@ def load_module(checkpoint: str | Path, weights_only: bool | None = True):
     """The ``HFCausalLMModule`` of ``checkpoint`` (a sharded directory or one file), in this process, full weights."""
     path = Path(checkpoint)
     metadata, hparams = _read_hparams(path, weights_only)
-    module = _empty_module(hparams)
+    state = None if path.is_dir() else metadata.get(MODEL_KEY)
+    if not path.is_dir() and not isinstance(state, dict):
+        raise ckpt.CheckpointMismatchError(
+            f"checkpoint {str(path)!r} has no {MODEL_KEY} (the model's weights) to export"
+            + ("" if state is None else f" ({MODEL_KEY} is a {type(state).__name__}, not a dict)")
+        )
+    module = _empty_module(hparams, path)
     with ties_kept(module):
         module.to_empty(device="cpu")
     init_derived_buffers(module.model)
@@ -67,8 +121,25 @@ def load_module(checkpoint: str | Path, weights_only: bool | None = True):
         # no_dist: read every shard here, also when called on one rank of a running job (no collective)
         ckpt.load_sharded(path, module, (), strict=True, weights_only=weights_only, no_dist=True)
     else:
-        module.load_state_dict(metadata["state_dict"], strict=True)
+        _load_weights(module, state, path)
     return module
+
+
+def _load_weights(module, state: dict[str, Any], path: Path) -> None:
+    """``module.load_state_dict(state)``, every key matched (as ``strict=True``), its errors on one line (torch's
+    name every key, one per line)."""
+    misfit = f"checkpoint {str(path)!r}: its {MODEL_KEY} does not fit the model its hyper_parameters build"
+    try:
+        result = module.load_state_dict(state, strict=False)
+    except (RuntimeError, TypeError, ValueError) as error:  # (other shapes, values that are no tensors)
+        detail = " ".join(str(error).split())
+        detail = detail if len(detail) <= 300 else detail[:297] + "..."
+        raise ckpt.CheckpointMismatchError(f"{misfit} ({detail})") from error
+    if result.missing_keys or result.unexpected_keys:
+        raise ckpt.CheckpointMismatchError(
+            f"{misfit}: {len(result.missing_keys)} missing keys {result.missing_keys[:3]}, "
+            f"{len(result.unexpected_keys)} unexpected keys {result.unexpected_keys[:3]}"
+        )
 
 
 def export_pretrained(
@@ -93,9 +164,13 @@ def export_pretrained(
     shutil.rmtree(staging, ignore_errors=True)
     try:
         _, hparams = _read_hparams(path, weights_only)
+        try:  # (after the checkpoint is known to be one, before the model is read)
+            staging.mkdir(parents=True)
+        except OSError as error:
+            raise _output_error(output, "OUT", error) from error
         lora = hparams.get("lora") or {}
         streamable = path.is_dir() and (merged or not lora) and not (lora.get("use_dora") or lora.get("lora_bias"))
-        module = _empty_module(hparams) if streamable else None
+        module = _empty_module(hparams, path) if streamable else None
         names = _saved_names(module) if module is not None else None
         if names is not None:
             _stream_model(module, names, path, staging, weights_only, max_shard_bytes)
@@ -172,7 +247,6 @@ def _stream_model(
             size = 0
         groups[-1].append(fqn)
         size += nbytes
-    staging.mkdir(parents=True)
     files = (
         ["model.safetensors"]
         if len(groups) == 1
@@ -215,7 +289,8 @@ def export_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     try:
         out = export_pretrained(args.checkpoint, args.output, merged=args.merged)
-    except (FileNotFoundError, FileExistsError, ValueError, ckpt.UnsafeCheckpointError) as error:
+    except (OSError, ValueError, ckpt.CheckpointError) as error:
+        # (OSError: CKPT missing or unreadable, OUT existing or not creatable; ValueError: what transformers refuses)
         parser.exit(2, f"lightning-mm export-hf: error: {error}\n")
     files: list[Any] = sorted(p.name for p in out.iterdir())
     print(f"wrote {out} ({', '.join(files)})")
