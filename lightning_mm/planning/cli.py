@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_mm.planning.estimates import Candidate, plan
+from lightning_mm.planning.estimates import MAX_DEVICES, Candidate, plan
 from lightning_mm.planning.hardware import GIB, Hardware
 from lightning_mm.planning.hf_shape import CausalLMShape
 from lightning_mm.planning.mesh import AXES
 from lightning_mm.planning.shapes import ModelShape
 from lightning_mm.planning.vlm_shape import VLMShape
 from lightning_mm.planning.workload import Workload
+from lightning_mm.validation import require_int
 
 
 def _gib(value: float) -> str:
@@ -102,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=("tiny", "small", "1b"), help="a reference VLM preset")
     source.add_argument("--hf-config", help="an HF Llama-style config.json (or its directory)")
-    parser.add_argument("--devices", type=int, required=True, help="number of devices (ranks)")
+    parser.add_argument("--devices", type=int, required=True, help=f"number of devices (ranks), at most {MAX_DEVICES}")
     parser.add_argument("--memory-gb", type=float, default=80.0, help="memory per device in GiB (default 80)")
     parser.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default: one node)")
     parser.add_argument(
@@ -133,6 +136,75 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_COUNTS = {  # option dest: (minimum, maximum) of the integer; an option not given (None) keeps its default
+    "devices": (1, MAX_DEVICES),
+    "devices_per_node": (1, None),
+    "tokens": (1, None),
+    "patches": (0, None),
+    "micro_batch": (1, None),
+    "global_batch": (1, None),
+    "top": (0, None),
+}
+_NUMBERS = {  # option dest: the factor to the unit the estimates use (the product must stay finite too)
+    "memory_gb": GIB,
+    "intra_gbps": 1e9 / 8,
+    "inter_gbps": 1e9 / 8,
+    "peak_tflops": 1e12,
+}
+_FRACTIONS = ("mfu", "usable_memory")
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a value the plan cannot use with ``parser.error`` (one line naming the option, exit 2), before the
+    model is built: argparse's ``type=int`` / ``float`` take ``0``, ``-4``, ``nan`` and ``inf``, which would
+    otherwise end in a traceback deep in the estimates or, worse, in a plan of NaNs."""
+    for dest, (minimum, maximum) in _COUNTS.items():
+        if getattr(args, dest) is None:  # not given: the default
+            continue
+        try:
+            hint = "the planner's limit" if maximum else ""
+            require_int(_option(dest), getattr(args, dest), minimum, maximum, hint=hint)
+        except ValueError as error:
+            parser.error(str(error))
+    # math.isfinite: NaN fails no "<= 0" test, and a NaN memory marks every mesh "NO" with exit 0
+    for dest, scale in _NUMBERS.items():
+        value = getattr(args, dest)
+        if not (math.isfinite(value) and value > 0 and math.isfinite(value * scale)):
+            parser.error(f"{_option(dest)} must be a finite number > 0, got {value}")
+    for dest in _FRACTIONS:
+        value = getattr(args, dest)
+        if not (math.isfinite(value) and 0 < value <= 1):
+            parser.error(f"{_option(dest)} must be in (0, 1], got {value}")
+    per_node = args.devices_per_node
+    if per_node and args.devices > per_node and args.devices % per_node:
+        parser.error(f"--devices {args.devices} is not a multiple of --devices-per-node {per_node} (whole nodes)")
+    if args.json_out:
+        _check_output(parser, Path(args.json_out))
+
+
+def _check_output(parser: argparse.ArgumentParser, path: Path) -> None:
+    """Refuse a ``--json`` path that cannot be written before planning, not after it (what a permission check
+    cannot see, e.g. a file under /proc, fails at the write and is reported there)."""
+    if path.is_dir():
+        parser.error(f"--json {path} is a directory; name the file to write")
+    existing = next(parent for parent in path.parents if parent.exists())  # "." or "/" at the latest
+    if not existing.is_dir():
+        parser.error(f"--json {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"--json {path}: cannot create files in {existing} (permission denied)")
+
+
+def _reason(error: ValueError | OSError) -> str:
+    """An error's message without the ``[Errno 2]`` of an OSError's."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+    return str(error)
+
+
 def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int, int]:
     """The model and default tokens / patches per sample for the parsed arguments."""
     if args.preset:
@@ -144,14 +216,28 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int, int]:
             config.max_patches_per_image,
         )
     model = CausalLMShape(args.hf_config)
-    return model, int(model.cfg.get("max_position_embeddings", 2048)), 0  # type: ignore[attr-defined]
+    return model, model.cfg.get("max_position_embeddings") or 2048, 0  # type: ignore[attr-defined]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    model, tokens, patches = model_from_args(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    try:
+        model, tokens, patches = model_from_args(args)
+    except (ValueError, OSError) as error:
+        if not args.hf_config:
+            raise  # a preset that does not build is a bug, not the user's input
+        parser.error(f"--hf-config {args.hf_config}: {_reason(error)}")
+    try:
+        return _plan_and_report(args, model, tokens, patches)
+    except (ValueError, OSError) as error:  # the last line: what check_args cannot know (e.g. too many meshes)
+        parser.error(_reason(error))
+
+
+def _plan_and_report(args: argparse.Namespace, model: ModelShape, tokens: int, patches: int) -> int:
     workload = Workload(
-        tokens=args.tokens or tokens,
+        tokens=args.tokens if args.tokens is not None else tokens,
         patches=(args.patches if args.patches is not None else patches) if model.kind == "reference-vlm" else 0,
         micro_batch=args.micro_batch,
         global_batch=args.global_batch,
@@ -195,8 +281,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             "candidates": [c.as_dict() for c in candidates],
             "refused": [{"mesh": {**asdict(m), "label": m.label}, "reasons": r} for m, r in refused],
         }
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(out, indent=2, default=_json_default))
+        try:
+            # allow_nan=False: NaN and Infinity are not JSON (other readers refuse them), and after check_args no
+            # estimate should be one
+            text = json.dumps(out, indent=2, default=_json_default, allow_nan=False)
+        except ValueError as error:
+            raise ValueError(f"--json {args.json_out}: an estimate is not a finite number ({error})") from None
+        path = Path(args.json_out)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as error:
+            raise OSError(error.errno, f"--json {path}: cannot write it ({_reason(error)})") from None
         print(f"wrote {args.json_out}")
     return 0
 

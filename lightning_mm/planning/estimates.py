@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -48,17 +50,61 @@ class Candidate:
         return out
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+MAX_DEVICES = 2**20
+"""The most devices :func:`candidate_meshes` plans for (about ten times the largest training clusters): it bounds the
+``sqrt(devices)`` divisor search and the size of the numbers in the estimates."""
+MAX_MESHES = 100_000
+"""The most meshes :func:`candidate_meshes` enumerates (each is checked, the accepted ones evaluated, at about 0.1 ms
+per refused mesh): a device count with many divisors, e.g. 720720, has hundreds of thousands."""
+MAX_CANDIDATES = 4000
+"""The most estimates :func:`plan` computes (accepted meshes x activation-checkpointing modes), about a minute for a
+70B Llama (15 ms each): on nodes of 8, 98304 devices give it 894 meshes, 110880 (many more divisors) 5540."""
+
+
+@functools.cache
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n``, increasing: the pairs ``(d, n // d)`` with ``d <= sqrt(n)``, so a prime device count
+    costs ``sqrt(n)`` steps, not ``n``; cached, since the mesh loops ask again for the same quotients."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return (*small, *reversed(large))
+
+
+def mesh_count(devices: int, with_ep: bool) -> int:
+    """How many ``pp x dp_replicate x dp_shard x tp`` (``x ep`` inside dp_shard with ``with_ep``) meshes
+    :func:`candidate_meshes` enumerates for ``devices``: the ordered factorisations of ``devices`` into 4 (5)
+    factors, ``prod C(e + k - 1, k - 1)`` over the exponents ``e`` of its prime factors, known before enumerating
+    them."""
+    factors, count, n, p = 5 if with_ep else 4, 1, devices, 2
+    while p * p <= n:
+        e = 0
+        while n % p == 0:
+            n, e = n // p, e + 1
+        count *= math.comb(e + factors - 1, factors - 1)
+        p += 1
+    return count * (factors if n > 1 else 1)  # a prime factor above sqrt(devices) is left, exponent 1: C(k, k-1)
 
 
 def candidate_meshes(
     model: ModelShape, workload: Workload, hardware: Hardware
 ) -> tuple[list[Mesh], list[tuple[Mesh, list[str]]]]:
     """Every ``pp x dp_replicate x dp_shard x tp (x ep)`` over ``hardware.devices``: ``(accepted, refused with
-    reasons)``."""
+    reasons)``. Raises ``ValueError`` above :data:`MAX_DEVICES` devices or :data:`MAX_MESHES` meshes."""
     accepted, refused = [], []
     n = hardware.devices
+    if n > MAX_DEVICES:
+        raise ValueError(f"devices must be <= {MAX_DEVICES} (the planner's limit), got {n}")
+    count = mesh_count(n, bool(model.num_experts))
+    if count > MAX_MESHES:
+        raise ValueError(
+            f"devices={n} gives {count} candidate meshes (pp x dp_replicate x dp_shard x tp"
+            + (" x ep" if model.num_experts else "")
+            + f"), more than the planner checks ({MAX_MESHES}); choose a device count with fewer divisors"
+        )
     for pp in _divisors(n):
         for tp in _divisors(n // pp):
             for dp_replicate in _divisors(n // (pp * tp)):
@@ -236,8 +282,17 @@ def plan(
     hardware: Hardware,
     activation_checkpointing: Iterable[bool | str] = (False, True),
 ) -> tuple[list[Candidate], list[tuple[Mesh, list[str]]]]:
-    """Evaluate every accepted mesh (with and without AC); return ``(ranked candidates, refused meshes)``."""
+    """Evaluate every accepted mesh (with and without AC); return ``(ranked candidates, refused meshes)``. Raises
+    ``ValueError`` above :data:`MAX_CANDIDATES` evaluations (see :func:`candidate_meshes` for its limits)."""
     accepted, refused = candidate_meshes(model, workload, hardware)
+    activation_checkpointing = tuple(activation_checkpointing)
+    evaluations = len(accepted) * len(activation_checkpointing)
+    if evaluations > MAX_CANDIDATES:
+        raise ValueError(
+            f"devices={hardware.devices} leaves {len(accepted)} meshes x {len(activation_checkpointing)} "
+            f"activation-checkpointing modes = {evaluations} estimates, more than the planner evaluates "
+            f"({MAX_CANDIDATES}); choose a device count with fewer divisors or fewer activation-checkpointing modes"
+        )
     candidates = [evaluate(model, mesh, workload, hardware, ac) for mesh in accepted for ac in activation_checkpointing]
     candidates.sort(key=lambda c: (not c.fits, c.step_seconds, c.peak_bytes))
     return candidates, refused

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from lightning_mm.validation import require_int
 
 GIB = 2**30
 
@@ -22,17 +25,20 @@ class Hardware:
     usable_memory_fraction: float = 0.9
 
     def __post_init__(self) -> None:
-        if self.devices < 1:
-            raise ValueError(f"devices must be >= 1, got {self.devices}")
-        if self.devices_per_node is not None and self.devices_per_node < 1:
-            raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
+        require_int("devices", self.devices)
+        require_int("devices_per_node", self.devices_per_node, also=(None,))
         if self.devices_per_node and self.devices % self.devices_per_node and self.devices > self.devices_per_node:
             raise ValueError(f"devices={self.devices} is not a multiple of devices_per_node={self.devices_per_node}")
+        # math.isfinite, not "<= 0": NaN compares false with everything and would pass, then mark every mesh as not
+        # fitting (nan memory) or rank them at random (nan times)
         for name in ("memory_bytes", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "peak_flops"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 < self.mfu <= 1 or not 0 < self.usable_memory_fraction <= 1:
-            raise ValueError("mfu and usable_memory_fraction must be in (0, 1]")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        for name in ("mfu", "usable_memory_fraction"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 < value <= 1):
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
 
     @property
     def ranks_per_node(self) -> int:

@@ -13,6 +13,7 @@ from lightning_mm.planning.collectives import ring_all_gather, ring_all_reduce, 
 from lightning_mm.planning.mesh import Mesh
 from lightning_mm.planning.shapes import INDEX, STATS, ModelShape, ParamShape, sdpa_saved_bytes
 from lightning_mm.planning.workload import Geometry
+from lightning_mm.validation import require_int
 
 
 def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -22,7 +23,14 @@ def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    return json.loads(path.read_text())
+    text = path.read_text()  # OSError (missing, unreadable) as it is: it names the file
+    try:
+        cfg = json.loads(text)
+    except ValueError as error:  # JSONDecodeError; a YAML config lands here too
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} must hold a JSON object (an HF config), got {type(cfg).__name__}")
+    return cfg
 
 
 class CausalLMShape(ModelShape):
@@ -48,13 +56,22 @@ class CausalLMShape(ModelShape):
         self.name = f"hf:{self.model_type}"
         self.supports_sequence_parallel = self.model_type in ("llama", "mistral", "qwen2")
         self.tp_degree = 1
-        h, i, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        kv = int(cfg.get("num_key_value_heads") or heads)
-        hd = int(cfg.get("head_dim") or h // heads)
+        # integers >= 1, not int(...): int() truncates 64.7, and a 0 or a negative size plans an empty model or fails
+        # later with an IndexError / ZeroDivisionError that names nothing
+        h, i, layers, heads, v = (require_int(name, cfg[name], hint="HF config") for name in self.REQUIRED)
+        kv = require_int("num_key_value_heads", cfg.get("num_key_value_heads"), also=(None,), hint="HF config") or heads
+        if heads % kv:
+            raise ValueError(
+                f"num_key_value_heads={kv} must divide num_attention_heads={heads} (each key/value head serves a "
+                "group of query heads)"
+            )
+        hd = require_int("head_dim", cfg.get("head_dim"), also=(None,), hint="HF config") or h // heads
+        if hd < 1:
+            raise ValueError(f"hidden_size={h} // num_attention_heads={heads} gives head_dim 0; set head_dim")
+        require_int("max_position_embeddings", cfg.get("max_position_embeddings"), also=(None,), hint="HF config")
         self.hidden, self.intermediate, self.layers = h, i, layers
         self.heads, self.kv_heads, self.head_dim = heads, kv, hd
-        self.vocab_size = v = int(cfg["vocab_size"])
+        self.vocab_size = v
         self.tied_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.logit_softcapping = bool(cfg.get("final_logit_softcapping"))  # Gemma 2 / 3: logits = c tanh(logits / c)
         qkv_bias = bool(cfg.get("attention_bias", self.model_type == "qwen2"))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from lightning_mm.planning.hardware import Hardware
 from lightning_mm.planning.mesh import Mesh
+from lightning_mm.validation import require_int
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,10 @@ class Workload:
     precision: str = "bf16-mixed"
 
     def __post_init__(self) -> None:
-        if self.tokens < 1 or self.patches < 0 or self.micro_batch < 1:
-            raise ValueError("tokens and micro_batch must be >= 1, patches >= 0")
-        if self.global_batch is not None and self.global_batch < 1:
-            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        require_int("tokens", self.tokens)
+        require_int("patches", self.patches, 0)
+        require_int("micro_batch", self.micro_batch)
+        require_int("global_batch", self.global_batch, also=(None,))
         if self.precision not in ("32-true", "bf16-mixed"):
             raise ValueError(f"precision must be '32-true' or 'bf16-mixed', got {self.precision!r}")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,7 @@ from lightning_mm.planning import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from lightning_mm.planning.estimates import _divisors, mesh_count
 
 # Every dim even, so FSDP over 2 ranks pads nothing and halves exactly.
 TINY_LLAMA = {
@@ -377,3 +379,164 @@ def test_final_logit_softcapping_keeps_its_tanh_output_for_backward():
     one, two = (evaluate(shape, Mesh(), bf16, Hardware(devices=1)).memory["stages"][0] for shape in (plain, capped))
     logits = 2 * 64 * 4096 * 2  # tokens x vocabulary x bf16
     assert two["moments"]["backward"] == one["moments"]["backward"] + logits
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.fixture
+def llama_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+def error_line(argv, capsys) -> str:
+    """``main(argv)`` exits 2 as argparse's ``parser.error`` does, with one error line and no plan printed."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "candidates" not in captured.out
+    return captured.err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--devices", "0"], "--devices must be an integer >= 1"),
+        (["--devices", "-4"], "--devices must be an integer >= 1"),
+        (["--devices", "1000000007"], "<= 1048576 (the planner's limit), got 1000000007"),
+        (["--devices", "8", "--devices-per-node", "3"], "--devices 8 is not a multiple of --devices-per-node 3"),
+        (["--devices-per-node", "0"], "--devices-per-node must be an integer >= 1, got 0"),
+        (["--memory-gb", "0"], "--memory-gb must be a finite number > 0"),
+        (["--memory-gb", "nan"], "--memory-gb must be a finite number > 0, got nan"),
+        (["--memory-gb", "inf"], "--memory-gb must be a finite number > 0, got inf"),
+        (["--memory-gb", "1e300"], "--memory-gb must be a finite number > 0"),  # x 2**30 bytes overflows
+        (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0"),
+        (["--intra-gbps", "-1"], "--intra-gbps must be a finite number > 0"),
+        (["--inter-gbps", "0"], "--inter-gbps must be a finite number > 0"),
+        (["--mfu", "0"], "--mfu must be in (0, 1], got 0.0"),
+        (["--mfu", "nan"], "--mfu must be in (0, 1], got nan"),
+        (["--usable-memory", "nan"], "--usable-memory must be in (0, 1]"),
+        (["--usable-memory", "1.5"], "--usable-memory must be in (0, 1]"),
+        (["--tokens", "0"], "--tokens must be an integer >= 1, got 0"),  # was silently the default
+        (["--tokens", "-5"], "--tokens must be an integer >= 1"),
+        (["--patches", "-3"], "--patches must be an integer >= 0"),
+        (["--micro-batch", "0"], "--micro-batch must be an integer >= 1"),
+        (["--global-batch", "0"], "--global-batch must be an integer >= 1"),
+        (["--top", "-1"], "--top must be an integer >= 0, got -1"),  # was [:-1]
+    ],
+)
+def test_bad_options_exit_2_naming_the_option(extra, message, llama_config, capsys):
+    argv = ["--hf-config", llama_config, "--devices", "2", *extra]
+    assert message in error_line(argv, capsys)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1 (HF config), got 0"),
+        ({"num_hidden_layers": -3}, "num_hidden_layers must be an integer >= 1 (HF config), got -3"),
+        ({"hidden_size": "abc"}, "hidden_size must be an integer >= 1 (HF config), got 'abc'"),
+        ({"hidden_size": None}, "hidden_size must be an integer >= 1 (HF config), got None"),
+        ({"hidden_size": 0}, "hidden_size must be an integer >= 1 (HF config), got 0"),
+        ({"hidden_size": 64.7}, "got 64.7"),  # was truncated to 64
+        ({"vocab_size": True}, "vocab_size must be an integer"),
+        ({"head_dim": 0}, "head_dim must be an integer >= 1"),
+        ({"max_position_embeddings": "long"}, "max_position_embeddings must be an integer >= 1"),
+        (
+            {"num_attention_heads": 4, "num_key_value_heads": 3},
+            "num_key_value_heads=3 must divide num_attention_heads=4",
+        ),
+        ({"num_attention_heads": 16}, "hidden_size=8 // num_attention_heads=16 gives head_dim 0"),
+    ],
+)
+def test_bad_hf_config_values_exit_2_naming_the_file_and_field(change, message, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, **change}))
+    line = error_line(["--hf-config", str(path), "--devices", "2"], capsys)
+    assert line.startswith(f"lightning-mm plan: error: --hf-config {path}: ") and message in line
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("missing.json", None, "No such file or directory: {path}"),
+        ("emptydir", None, "No such file or directory: {path}/config.json"),
+        ("broken.json", '{"hidden_size": 8', "{path} is not valid JSON"),
+        ("config.yaml", "hidden_size: 8\n", "{path} is not valid JSON"),
+        ("list.json", "[1, 2]", "{path} must hold a JSON object (an HF config), got list"),
+    ],
+)
+def test_unreadable_hf_configs_exit_2_naming_the_file(name, text, message, tmp_path, capsys):
+    path = tmp_path / name
+    if name == "emptydir":
+        path.mkdir()
+    elif text is not None:
+        path.write_text(text)
+    line = error_line(["--hf-config", str(path), "--devices", "2"], capsys)
+    assert line.startswith(f"lightning-mm plan: error: --hf-config {path}: ")
+    assert message.format(path=path) in line
+
+
+def test_json_output_that_cannot_be_written_exits_2(llama_config, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    base = ["--hf-config", llama_config, "--devices", "2", "--json"]
+    assert f"--json {tmp_path} is a directory" in error_line([*base, str(tmp_path)], capsys)
+    line = error_line([*base, str(tmp_path / "a_file" / "plan.json")], capsys)
+    assert f"{tmp_path / 'a_file'} is not a directory" in line
+    if Path("/proc/self").is_dir():  # Linux: no file can be created there, not even by root
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, "/proc/no_such_dir/plan.json"])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "--json /proc/no_such_dir/plan.json" in err.splitlines()[-1]
+
+
+def test_tokens_given_are_used_and_the_json_is_strict(llama_config, tmp_path, capsys):
+    out = tmp_path / "new" / "plan.json"
+    assert main(["--hf-config", llama_config, "--devices", "2", "--tokens", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert report["workload"]["tokens"] == 3
+
+
+def test_library_checks_refuse_nan_and_non_integers():
+    for field in ("memory_bytes", "peak_flops", "intra_node_bytes_per_s"):
+        with pytest.raises(ValueError, match=f"{field} must be a finite number > 0, got nan"):
+            Hardware(devices=2, **{field: float("nan")})
+    with pytest.raises(ValueError, match="memory_bytes must be a finite number > 0, got inf"):
+        Hardware(devices=2, memory_bytes=float("inf"))
+    with pytest.raises(ValueError, match=r"mfu must be in \(0, 1\], got nan"):
+        Hardware(devices=2, mfu=float("nan"))
+    with pytest.raises(ValueError, match="devices must be an integer >= 1, got 2.0"):
+        Hardware(devices=2.0)
+    with pytest.raises(ValueError, match="tokens must be an integer >= 1, got 0"):
+        Workload(tokens=0)
+    with pytest.raises(ValueError, match="patches must be an integer >= 0, got -1"):
+        Workload(tokens=4, patches=-1)
+
+
+@pytest.mark.timeout(10)  # the old divisor search tested every number up to n: minutes for this prime
+def test_divisors_take_square_root_time_and_count_every_mesh(llama, vlm_tiny):
+    assert _divisors(1_000_000_007) == (1, 1_000_000_007)
+    for n in range(1, 130):
+        assert list(_divisors(n)) == [d for d in range(1, n + 1) if n % d == 0]
+    for n in (1, 12, 30, 64):
+        for model in (llama, vlm_tiny):
+            accepted, rejected = candidate_meshes(model, fp32(), Hardware(devices=n))
+            assert len(accepted) + len(rejected) == mesh_count(n, bool(model.num_experts))
+    assert mesh_count(720720, with_ep=True) == 656250  # 2^4 3^2 5 7 11 13: C(8,4) C(6,4) 5^4
+
+
+def test_too_many_meshes_or_estimates_exit_2(llama_config, monkeypatch, capsys):
+    from lightning_mm.planning import estimates
+
+    argv = ["--hf-config", llama_config, "--devices", "12"]
+    monkeypatch.setattr(estimates, "MAX_MESHES", 39)
+    assert "devices=12 gives 40 candidate meshes" in error_line(argv, capsys)
+    monkeypatch.setattr(estimates, "MAX_MESHES", 40)
+    monkeypatch.setattr(estimates, "MAX_CANDIDATES", 3)
+    assert "activation-checkpointing modes" in error_line(argv, capsys)
+    with pytest.raises(ValueError, match="devices must be <= 1048576"):
+        candidate_meshes(CausalLMShape(TINY_LLAMA), fp32(), Hardware(devices=2**20 + 1))
