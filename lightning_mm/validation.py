@@ -48,5 +48,8 @@ def escapes_directory(path: str | os.PathLike, directory: str | os.PathLike) -> 
     """Where ``path`` really is (links and ``..`` resolved) when that lies outside ``directory`` (resolved too, so a
     directory that is itself a link is fine), else None. Nothing a user hands in (a shard, a checkpoint file, a
     tokenizer) is read through a link that leaves its directory."""
-    target, root = Path(path).resolve(), Path(directory).resolve()
+    try:
+        target, root = Path(path).resolve(), Path(directory).resolve()
+    except (OSError, RuntimeError):  # (a link loop: nowhere a reader could get to)
+        return Path(path)
     return None if target == root or root in target.parents else target

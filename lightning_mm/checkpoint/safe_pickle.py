@@ -5,6 +5,7 @@ pure-Python unpickler that builds only plain data and rebuilds DCP's metadata cl
 from __future__ import annotations
 
 import bisect
+import errno
 import io
 import itertools
 import os
@@ -74,6 +75,8 @@ def safe_load(path: str | Path | io.BytesIO, what: str, weights_only: bool | Non
         # OSError of a seek, RuntimeError of the zip reader, ...), so every error is the file's but these two.
         if isinstance(error, RuntimeError) and any(sign in str(error) for sign in _NOT_THE_FILE):
             raise
+        if isinstance(error, OSError) and error.errno not in (None, errno.EINVAL, errno.ESPIPE):
+            raise  # (EIO, ESTALE, a timeout of a network file system: the storage's trouble, not damage to delete)
         reason = "the file is empty" if _size(path) == 0 else _first_line(error)
         raise CorruptCheckpointError(f"{what} is corrupt or truncated and cannot be read ({reason})") from error
 

@@ -48,23 +48,32 @@ def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -
             expanded.extend(matches)
     if not expanded:
         raise ValueError(f"{argument}: {urls!r} matches no shard")
-    seen: dict[str, str] = {}
-    for url in expanded:
-        _check_inside(url, os.path.dirname(url) or ".", argument)
-        real = os.path.realpath(url)
-        if real in seen:
-            # Each shard is read once per epoch; a second listing (a path and a glob that both match it, or the same
-            # file by two names) would train on its samples twice without a word.
-            same = "" if seen[real] == url else f" (as {seen[real]!r})"
-            raise ValueError(
-                f"{argument}: shard {url!r} is listed twice{same}; list each shard once (to weigh a source more, "
-                "write its shards again or use more of them)"
-            )
-        seen[real] = url
+    # (A shard the user names may be a link, e.g. into the Hugging Face hub cache's blobs: the user chose it. The
+    # entries of a manifest are held to their directory instead: load_manifest.)
+    refuse_repeated(expanded, argument)
     missing = [u for u in expanded if not os.path.isfile(u)]
     if missing and must_exist:
         raise FileNotFoundError(f"{argument}: shard {missing[0]!r} does not exist ({len(missing)} missing)")
     return expanded
+
+
+def refuse_repeated(shards: list[str], argument: str) -> None:
+    """Refuse a shard listed twice (a path and a glob that both match it, one file under two names or hard links):
+    each shard is read once per epoch, and a second listing would train on its samples twice without a word."""
+    seen: dict[tuple[int, int] | str, str] = {}
+    for url in shards:
+        try:
+            stat = os.stat(url)
+            identity: tuple[int, int] | str = (stat.st_dev, stat.st_ino)  # (links, hard links, case variants)
+        except OSError:  # (missing: the caller's error policy decides)
+            identity = os.path.abspath(url)
+        if identity in seen:
+            same = "" if seen[identity] == url else f" (as {seen[identity]!r})"
+            raise ValueError(
+                f"{argument}: shard {url!r} is listed twice{same}; list each shard once (to weigh a source more, "
+                "write its shards again or use more of them)"
+            )
+        seen[identity] = url
 
 
 def _check_inside(path: str | os.PathLike, directory: str | os.PathLike, what: str) -> None:
@@ -121,6 +130,7 @@ def load_manifest(data_dir: str | None, synthetic_preset: str) -> EmbeddedDatase
         for name in listed:
             _check_inside(root / name, root, f'{where}: splits["{split}"] shard')
         shards[split], counts[split] = [str(root / name) for name in listed], list(sizes)
+        refuse_repeated(shards[split], f'{where}: splits["{split}"]')
     _check_inside(root / manifest["tokenizer"], root, f"{where}: tokenizer")
     return EmbeddedDataset(shards=shards, samples_per_shard=counts, tokenizer=str(root / manifest["tokenizer"]))
 
@@ -141,16 +151,23 @@ def data_parallel_rank_and_size(trainer: Any) -> tuple[int, int]:
 
 
 def sum_over_data_parallel(trainer: Any, counts: list[int]) -> list[int]:
-    """``counts`` summed over this process's data-parallel group (the strategy's, else the world), so every rank
+    """``counts`` summed over every rank the data was dealt to (:func:`data_parallel_rank_and_size`), so every rank
     decides alike on them."""
-    # Without a Trainer this process planned the whole split for itself (data-parallel size 1), even when a
-    # process group exists (e.g. rank 0 of a benchmark building held-out batches): its counts are the total, and
-    # a collective would wait for ranks that are not iterating.
-    if trainer is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    # Without a Trainer, or with one data-parallel rank (a one-device Trainer inside a larger job, pure tensor /
+    # pipeline parallel), this process planned the whole split for itself: its counts are the total, and a
+    # collective would wait for ranks that are not iterating.
+    if data_parallel_rank_and_size(trainer)[1] == 1 or not (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    ):
         return list(counts)
     strategy = trainer.strategy
-    # None on a mesh with one data-parallel rank (e.g. pure tensor / pipeline parallel): nothing to sum.
-    group = getattr(strategy, "data_parallel_group", torch.distributed.group.WORLD)
+    try:
+        # A mesh: all batch axes. Not the strategy's data_parallel_group, which with replica groups that sync every
+        # few steps holds one replica's ranks only: each replica would decide on its own and one failing alone would
+        # leave the others waiting at the next sync.
+        group = strategy.parallel_dims.data_parallel_group()
+    except (AttributeError, RuntimeError):  # (DDP, FSDP: every process is a data-parallel peer)
+        group = torch.distributed.group.WORLD
     device = getattr(strategy, "root_device", torch.device("cpu"))
     return [int(c) for c in all_reduce_sum(torch.tensor(counts, device=device), group)]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import posixpath
 import random
 import tarfile
 from collections.abc import Iterator
@@ -55,9 +56,12 @@ def count_samples(shard: str) -> int:
                         "into the tar (SimpleImageTextDataModule reads regular files only)"
                     )
                 if member.isfile():
-                    keys.add(member.name.split(".", 1)[0])
+                    # webdataset's key: the directory and the basename up to its first dot ("./a.jpg" is "a")
+                    directory, base = posixpath.split(posixpath.normpath(member.name))
+                    keys.add(posixpath.join(directory, base.split(".", 1)[0]))
             end = tar.offset
-            after = _first_nonzero_byte(raw, end + tarfile.BLOCKSIZE)
+            # (tar.fileobj: the decompressed stream of a .tar.gz, whose offsets are the tar's)
+            after = _first_nonzero_byte(tar.fileobj, end + tarfile.BLOCKSIZE)
     except tarfile.TarError as err:
         raise ValueError(f"shard {shard!r} is not a readable tar file ({err})") from err
     if after is not None:

@@ -254,6 +254,8 @@ def test_what_is_not_the_files_bytes_is_raised_as_it_is(tmp_path, monkeypatch):
     for error in (
         RuntimeError("Attempting to deserialize object on a CUDA device but torch.cuda.is_available() is False."),
         MemoryError(),
+        OSError(errno.EIO, "Input/output error"),  # (the storage's trouble: "corrupt" would invite deleting the file)
+        OSError(errno.ESTALE, "Stale file handle"),
     ):  # this machine's limits, not the file's damage
 
         def load(*args, error=error, **kwargs):

@@ -129,3 +129,24 @@ def test_shards_the_stream_would_read_short_fail_naming_the_shard(tiny_dir, tmp_
     dm = SimpleImageTextDataModule(data_dir=str(copy), batch_size=8)
     with pytest.raises(ValueError, match=r"train-000002\.tar' holds 0 samples where manifest\.json lists 64"):
         dm.prepare_data()
+
+
+def test_count_samples_reads_compressed_shards_and_dot_slash_names(tiny_dir, tmp_path):
+    """A .tar.gz: the end-of-archive check reads the decompressed stream (the compressed bytes are never zeros); and
+    GNU tar's "./" prefix keeps each sample's key (it made every key empty, one sample per shard)."""
+    import gzip
+    import io
+    import tarfile
+
+    from lightning_mm.datamodules.simple import count_samples
+
+    compressed = tmp_path / "shard.tar.gz"
+    compressed.write_bytes(gzip.compress((tiny_dir / "train-000000.tar").read_bytes()))
+    assert count_samples(str(compressed)) == 64
+    dotted = tmp_path / "dotted.tar"
+    with tarfile.open(dotted, "w") as tar:
+        for name in ("./s1.jpg", "./s1.txt", "./s2.jpg", "./sub/s1.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+    assert count_samples(str(dotted)) == 3
