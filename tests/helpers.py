@@ -95,6 +95,24 @@ class LossRecorder(L.Callback):
         self.losses.append(loss.item())
 
 
+class TokenMean(L.LightningModule):
+    """The cheapest module a Trainer fits and validates on ``MultimodalBatch`` es: one weight (a ``Linear(1, 1)``, so
+    sharding strategies have a matrix to shard); the loss reads the batch, so every batch goes through a real step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch.tokens.float().mean().reshape(1, 1)).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.layer(batch.tokens.float().mean().reshape(1, 1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
 def full_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A detached copy of the whole tensor (a sharded DTensor gathered first), to compare across ranks and runs."""
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()

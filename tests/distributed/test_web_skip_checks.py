@@ -7,12 +7,11 @@ from __future__ import annotations
 import io
 
 import lightning as L
-import torch
 import webdataset as wds
 
 from lightning_mm.datamodules.synthetic import ensure_synthetic_shards, render_sample
 from lightning_mm.datamodules.web import ImageTextWebDataModule
-from tests.helpers import run_distributed
+from tests.helpers import TokenMean, run_distributed
 
 
 def _write_shard(path, count: int, broken: bool) -> None:
@@ -25,23 +24,6 @@ def _write_shard(path, count: int, broken: bool) -> None:
             if broken:  # a valid header and a broken body: found only when decoding
                 data = data[:64] + b"\x00" * (len(data) - 64)
             sink.write({"__key__": f"s{index:06d}", "png": data, "txt": meta["caption"]})
-
-
-class _Scalar(L.LightningModule):
-    """The cheapest module a Trainer fits and validates on these batches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(1, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch.tokens.float().mean().reshape(1, 1)).sum()
-
-    def validation_step(self, batch, batch_idx):
-        self.layer(batch.tokens.float().mean().reshape(1, 1))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
 def _fit(rank: int, world: int, shards: dict, replicas: bool) -> dict:
@@ -73,7 +55,7 @@ def _fit(rank: int, world: int, shards: dict, replicas: bool) -> dict:
         enable_model_summary=False,
     )
     try:
-        trainer.fit(_Scalar(), datamodule=dm)
+        trainer.fit(TokenMean(), datamodule=dm)
     except ValueError as error:
         return {"error": str(error).split(";")[0], "steps": trainer.global_step}
     return {"error": None, "steps": trainer.global_step}

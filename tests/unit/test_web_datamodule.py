@@ -15,7 +15,7 @@ import webdataset as wds
 from lightning_mm.datamodules.synthetic import ensure_synthetic_shards, render_sample
 from lightning_mm.datamodules.web import ImageTextWebDataModule
 from lightning_mm.models import VLMModule
-from tests.helpers import quiet_trainer
+from tests.helpers import TokenMean, quiet_trainer
 
 SHARD_SIZES = (3, 17, 40, 9, 25)  # uneven on purpose
 
@@ -167,20 +167,6 @@ def test_a_pass_fails_at_its_first_batch_once_skips_exceed_the_threshold_of_its_
     assert fetched == []
 
 
-class _TokenMean(L.LightningModule):
-    """The cheapest module a Trainer can fit on these batches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(()))
-
-    def training_step(self, batch, batch_idx):
-        return self.weight * batch.tokens.float().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
 def test_a_fit_stopped_inside_an_epoch_fails_when_what_it_read_skipped_too_much(tmp_path, shards, capsys):
     """``max_steps`` ends the fit before the epoch's end, where a pass is checked: the DataModule's teardown checks the
     part of the pass the fit read. 8 broken samples in the first two batches (16 samples) of a 200-sample epoch stay
@@ -199,7 +185,7 @@ def test_a_fit_stopped_inside_an_epoch_fails_when_what_it_read_skipped_too_much(
         return {**settings, "max_skipped_fraction": 0.05}
 
     def fit(settings):
-        quiet_trainer(1, "auto", 2).fit(_TokenMean(), datamodule=_dm(shards, **settings))
+        quiet_trainer(1, "auto", 2).fit(TokenMean(), datamodule=_dm(shards, **settings))
 
     with pytest.raises(ValueError, match=r"data \(train, epoch 0, stopped after 2 batch\(es\)\): 8 of 16 samples"):
         fit(write(8))
