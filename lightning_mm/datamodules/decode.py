@@ -29,7 +29,6 @@ import hashlib
 import io
 import json
 import os
-import posixpath
 import re
 import statistics
 import tarfile
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from lightning_mm.datamodules.tar_members import data_member, first_nonzero_byte, member_digest, unreadable_link
 from lightning_mm.validation import require_int
 
 __all__ = [
@@ -516,55 +516,6 @@ def account_damaged_shards(
         errors.error(index.damage_kind, index.url, index.damage_key, f"{index.damage}; {basis}", samples=lost)
 
 
-def _member_digest(digest, fd: int, info: tarfile.TarInfo, sample: int = 4096) -> None:
-    """Add one member's header fields and the first / last ``sample`` bytes of its data to ``digest``."""
-    digest.update(f"{info.name}\0{info.size}\0{info.mtime}\0{info.type!r}\n".encode("utf-8", "surrogateescape"))
-    if info.islnk() or info.issym():  # (what a hard link reads, or whether a symlink is skipped, depends on it)
-        digest.update(f"{info.linkname}\n".encode("utf-8", "surrogateescape"))
-    if info.isreg() and info.size:
-        digest.update(os.pread(fd, min(info.size, sample), info.offset_data))
-        if info.size > sample:
-            tail = min(sample, info.size - sample)
-            digest.update(os.pread(fd, tail, info.offset_data + info.size - tail))
-
-
-def _first_nonzero_byte(raw: io.BufferedReader, start: int, chunk: int = 1 << 20) -> int | None:
-    """Offset of the first non-zero byte of ``raw`` at or after ``start``; None if only zeros follow."""
-    raw.seek(start)
-    offset = start
-    while block := raw.read(chunk):
-        data = block.lstrip(b"\0")
-        if data:
-            return offset + len(block) - len(data)
-        offset += len(block)
-    return None
-
-
-def _data_member(info: tarfile.TarInfo, regular_members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None:
-    """The regular member whose data ``info`` stands for: itself, or for a hard link the earlier member of that name
-    (``tar -x`` links it to the file extracted under that name, so the latest one before the link); None otherwise.
-    Records ``info`` in ``regular_members`` (name -> member read) for later hard links."""
-    name = posixpath.normpath(info.name)  # (GNU tar may write "./a.jpg" in one header and "a.jpg" in another)
-    if info.isreg():
-        data_member = info
-    elif info.islnk():
-        data_member = regular_members.get(posixpath.normpath(info.linkname))
-    else:
-        data_member = None
-    if data_member is None:
-        regular_members.pop(name, None)  # (a later hard link to this name would not find a regular file)
-    else:
-        regular_members[name] = data_member
-    return data_member
-
-
-def _unreadable_link(info: tarfile.TarInfo, ext: str) -> str:
-    """Why the link member ``info``, standing for a sample's ``ext`` file, is not read."""
-    if info.issym():
-        return f"its {ext!r} file is a symbolic link to {info.linkname!r} (not followed: it could point anywhere)"
-    return f"its {ext!r} file is a hard link to {info.linkname!r}, which is no earlier regular file of this tar"
-
-
 def scan_shard(
     url: str,
     errors: ErrorLog,
@@ -681,7 +632,7 @@ def scan_shard(
                         # Zeros after the marker are padding to the tar's record size; anything else is more
                         # archive that tarfile would never read: a header zeroed in the middle of the shard, or
                         # two tars joined with `cat`.
-                        found = _first_nonzero_byte(raw, tar.offset + tarfile.BLOCKSIZE)
+                        found = first_nonzero_byte(raw, tar.offset + tarfile.BLOCKSIZE)
                         if found is not None:
                             damage_kind = "tar_data_after_end"
                             damage = (
@@ -689,9 +640,9 @@ def scan_shard(
                                 f"{tar.offset} (a header zeroed in the middle of the shard, or tars joined with cat)"
                             )
                     break
-                _member_digest(digest, raw.fileno(), info)
-                data_member = _data_member(info, regular_members)
-                if data_member is None and not (info.issym() or info.islnk()):
+                member_digest(digest, raw.fileno(), info)
+                source = data_member(info, regular_members)
+                if source is None and not (info.issym() or info.islnk()):
                     continue  # a directory, device or fifo: no file of a sample
                 match = _KEY_EXT.match(info.name)
                 if match is None or _META_NAME.match(info.name):
@@ -703,13 +654,13 @@ def scan_shard(
                     groups_seen += 1
                 # A later member with the same name wins, as when `tar -x` extracts the archive (this
                 # is how `tar --append` updates a file).
-                if data_member is None:
+                if source is None:
                     group_files.pop(ext, None)
-                    group_links[ext] = _unreadable_link(info, ext)
+                    group_links[ext] = unreadable_link(info, ext)
                     continue
                 group_links.pop(ext, None)
-                group_files[ext] = data_member
-                if info is data_member and info.offset_data + info.size > file_size:
+                group_files[ext] = source
+                if info is source and info.offset_data + info.size > file_size:
                     damage = (
                         f"member {info.name!r} needs {info.size} bytes at offset {info.offset_data} but the file "
                         f"has {file_size} bytes"

@@ -34,8 +34,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.common import EpochAwareLoader, data_parallel_rank_and_size, expand_urls, load_manifest
-from lightning_mm.datamodules.decode import IMAGE_KEYS, TEXT_KEYS, ErrorLog, _first_nonzero_byte, load_rgb_image
+from lightning_mm.datamodules.decode import IMAGE_KEYS, TEXT_KEYS, ErrorLog, load_rgb_image
 from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patchify
+from lightning_mm.datamodules.tar_members import first_nonzero_byte
 
 __all__ = ["SimpleImageTextDataModule", "count_samples"]
 
@@ -61,7 +62,7 @@ def count_samples(shard: str) -> int:
                     keys.add(posixpath.join(directory, base.split(".", 1)[0]))
             end = tar.offset
             # (tar.fileobj: the decompressed stream of a .tar.gz, whose offsets are the tar's)
-            after = _first_nonzero_byte(tar.fileobj, end + tarfile.BLOCKSIZE)
+            after = first_nonzero_byte(tar.fileobj, end + tarfile.BLOCKSIZE)
     except tarfile.TarError as err:
         raise ValueError(f"shard {shard!r} is not a readable tar file ({err})") from err
     if after is not None:

@@ -1,0 +1,62 @@
+"""Reading the members of a tar shard the way ``tar -x`` would see them, for the indexers (:mod:`.decode`,
+:mod:`.simple`): what a hard link stands for, why a link is not read, whether data follows the end-of-archive block,
+and the digest of a member's header and data."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import tarfile
+from typing import BinaryIO
+
+__all__ = ["data_member", "first_nonzero_byte", "member_digest", "unreadable_link"]
+
+
+def member_digest(digest, fd: int, info: tarfile.TarInfo, sample: int = 4096) -> None:
+    """Add one member's header fields and the first / last ``sample`` bytes of its data to ``digest``."""
+    digest.update(f"{info.name}\0{info.size}\0{info.mtime}\0{info.type!r}\n".encode("utf-8", "surrogateescape"))
+    if info.islnk() or info.issym():  # (what a hard link reads, or whether a symlink is skipped, depends on it)
+        digest.update(f"{info.linkname}\n".encode("utf-8", "surrogateescape"))
+    if info.isreg() and info.size:
+        digest.update(os.pread(fd, min(info.size, sample), info.offset_data))
+        if info.size > sample:
+            tail = min(sample, info.size - sample)
+            digest.update(os.pread(fd, tail, info.offset_data + info.size - tail))
+
+
+def first_nonzero_byte(raw: BinaryIO, start: int, chunk: int = 1 << 20) -> int | None:
+    """Offset of the first non-zero byte of ``raw`` (seekable: a file, or a .tar.gz's decompressed stream) at or after
+    ``start``; None if only zeros follow."""
+    raw.seek(start)
+    offset = start
+    while block := raw.read(chunk):
+        data = block.lstrip(b"\0")
+        if data:
+            return offset + len(block) - len(data)
+        offset += len(block)
+    return None
+
+
+def data_member(info: tarfile.TarInfo, regular_members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo | None:
+    """The regular member whose data ``info`` stands for: itself, or for a hard link the earlier member of that name
+    (``tar -x`` links it to the file extracted under that name, so the latest one before the link); None otherwise.
+    Records ``info`` in ``regular_members`` (name -> member read) for later hard links."""
+    name = posixpath.normpath(info.name)  # (GNU tar may write "./a.jpg" in one header and "a.jpg" in another)
+    if info.isreg():
+        target = info
+    elif info.islnk():
+        target = regular_members.get(posixpath.normpath(info.linkname))
+    else:
+        target = None
+    if target is None:
+        regular_members.pop(name, None)  # (a later hard link to this name would not find a regular file)
+    else:
+        regular_members[name] = target
+    return target
+
+
+def unreadable_link(info: tarfile.TarInfo, ext: str) -> str:
+    """Why the link member ``info``, standing for a sample's ``ext`` file, is not read."""
+    if info.issym():
+        return f"its {ext!r} file is a symbolic link to {info.linkname!r} (not followed: it could point anywhere)"
+    return f"its {ext!r} file is a hard link to {info.linkname!r}, which is no earlier regular file of this tar"
