@@ -150,7 +150,8 @@ class PassAccounting:
             noise = fraction * read + 3 * math.sqrt(fraction * (1 - fraction) * read) + 1
             what = f"data ({split}, epoch {record['epoch']}, stopped after {record['fetched']} batch(es))"
             tolerated = min(noise, fraction * planned) if planned else noise
-            self._report(what, skipped, read, since, since_shards=record["since_shards"], tolerated=tolerated)
+            if skipped:  # (nothing skipped: the end-of-run summary says so; a line per max_steps fit would be noise)
+                self._report(what, skipped, read, since, since_shards=record["since_shards"], tolerated=tolerated)
         if dataset is None:
             return
         if split == "train" and self._global_rank() == 0:
