@@ -77,7 +77,7 @@ def safe_load(path: str | Path | io.BytesIO, what: str, weights_only: bool | Non
             raise
         if isinstance(error, OSError) and error.errno not in (None, errno.EINVAL, errno.ESPIPE):
             raise  # (EIO, ESTALE, a timeout of a network file system: the storage's trouble, not damage to delete)
-        reason = "the file is empty" if _size(path) == 0 else _first_line(error)
+        reason = "the file is empty" if _size(path) == 0 else first_line(error)
         raise CorruptCheckpointError(f"{what} is corrupt or truncated and cannot be read ({reason})") from error
 
 
@@ -96,10 +96,10 @@ def _size(path: str | Path | io.BytesIO) -> int | None:
         return None
 
 
-def _first_line(error: BaseException) -> str:
-    """``Type: first line of the message`` (at most 200 characters), for a one-line error."""
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message`` (at most ``limit`` characters), for a one-line error."""
     line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-    line = line if len(line) <= 200 else line[:197] + "..."
+    line = line if len(line) <= limit else line[: limit - 3] + "..."
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 

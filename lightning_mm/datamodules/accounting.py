@@ -115,10 +115,8 @@ class PassAccounting:
             )
 
     def _start_pass(self, split: str) -> None:
-        previous = self._passes.get(split)
-        if split == "train" and previous is not None and not previous["ended"] and previous["fetched"]:
-            # The last pass stopped short (limit_train_batches): check what it read, as a stopped fit's is.
-            self._end_pass(split, stopped=True)
+        if split == "train":  # (the last pass may have stopped short: limit_train_batches)
+            self._close_stopped_pass(split)
         self._passes[split] = {
             "loaded": 0,
             "skipped": 0,
@@ -127,6 +125,13 @@ class PassAccounting:
             "since": dict(self.error_log.counts),
             "since_shards": self.error_log.shard_snapshot(),
         }
+
+    def _close_stopped_pass(self, split: str) -> None:
+        """Check a pass that stopped before its end (a fit's ``max_steps``, early stopping, ``limit_train_batches``)
+        on what it read, once; nothing for a pass that ended, or that fetched nothing."""
+        record = self._passes.get(split)
+        if record is not None and not record["ended"] and record["fetched"]:
+            self._end_pass(split, stopped=True)
 
     def _end_pass(self, split: str, dataset: _PlannedSplit | None = None, stopped: bool = False) -> None:
         """Report a pass and fail it over the threshold: at its last batch, or (``stopped``) when a fit ends before it

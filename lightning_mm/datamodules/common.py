@@ -24,6 +24,8 @@ __all__ = [
     "data_parallel_rank_and_size",
     "expand_urls",
     "load_manifest",
+    "refuse_repeated",
+    "shard_identity",
     "sum_over_data_parallel",
 ]
 
@@ -62,11 +64,7 @@ def refuse_repeated(shards: list[str], argument: str) -> None:
     each shard is read once per epoch, and a second listing would train on its samples twice without a word."""
     seen: dict[tuple[int, int] | str, str] = {}
     for url in shards:
-        try:
-            stat = os.stat(url)
-            identity: tuple[int, int] | str = (stat.st_dev, stat.st_ino)  # (links, hard links, case variants)
-        except OSError:  # (missing: the caller's error policy decides)
-            identity = os.path.abspath(url)
+        identity = shard_identity(url)
         if identity in seen:
             same = "" if seen[identity] == url else f" (as {seen[identity]!r})"
             raise ValueError(
@@ -74,6 +72,16 @@ def refuse_repeated(shards: list[str], argument: str) -> None:
                 "write its shards again or use more of them)"
             )
         seen[identity] = url
+
+
+def shard_identity(url: str) -> tuple[int, int] | str:
+    """What makes two listed paths the same shard: its device and inode (through links, hard links and case
+    variants), or for a missing file its absolute path (the caller's error policy decides about it)."""
+    try:
+        stat = os.stat(url)
+    except OSError:
+        return os.path.abspath(url)
+    return stat.st_dev, stat.st_ino
 
 
 def _check_inside(path: str | os.PathLike, directory: str | os.PathLike, what: str) -> None:

@@ -39,7 +39,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from lightning_mm.datamodules.tar_members import data_member, first_nonzero_byte, member_digest, unreadable_link
+from lightning_mm.datamodules.tar_members import (
+    data_member,
+    first_nonzero_byte,
+    member_digest,
+    sample_key,
+    unreadable_link,
+)
 from lightning_mm.validation import require_int
 
 __all__ = [
@@ -147,11 +153,6 @@ def _too_large(width: int, height: int, max_image_pixels: int | None) -> str | N
         )
     return None
 
-
-# webdataset's split of a member name into key and extension (``base_plus_ext``), and the member
-# names it skips (``__key__``-style metadata).
-_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
-_META_NAME = re.compile(r"__[^/]*__($|/)")
 
 # Magic numbers of compressed tars: their data offsets are not file offsets, so no random access.
 _COMPRESSED_MAGIC = {
@@ -644,10 +645,10 @@ def scan_shard(
                 source = data_member(info, regular_members)
                 if source is None and not (info.issym() or info.islnk()):
                     continue  # a directory, device or fifo: no file of a sample
-                match = _KEY_EXT.match(info.name)
-                if match is None or _META_NAME.match(info.name):
+                split = sample_key(info.name)
+                if split is None:
                     continue
-                key, ext = match.group(1), match.group(2).lower()
+                key, ext = split
                 if key != group_key:
                     close_group()  # this header was read intact, so the previous sample is complete
                     group_key, group_files, group_links = key, {}, {}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import posixpath
 import random
 import tarfile
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ from lightning_mm.batch import MultimodalBatch
 from lightning_mm.datamodules.common import EpochAwareLoader, data_parallel_rank_and_size, expand_urls, load_manifest
 from lightning_mm.datamodules.decode import IMAGE_KEYS, TEXT_KEYS, ErrorLog, load_rgb_image
 from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patchify
-from lightning_mm.datamodules.tar_members import first_nonzero_byte
+from lightning_mm.datamodules.tar_members import first_nonzero_byte, sample_key
 
 __all__ = ["SimpleImageTextDataModule", "count_samples"]
 
@@ -56,10 +55,9 @@ def count_samples(shard: str) -> int:
                         f"shard {shard!r}: member {member.name!r} is a link to {member.linkname!r}; write its data "
                         "into the tar (SimpleImageTextDataModule reads regular files only)"
                     )
-                if member.isfile():
-                    # webdataset's key: the directory and the basename up to its first dot ("./a.jpg" is "a")
-                    directory, base = posixpath.split(posixpath.normpath(member.name))
-                    keys.add(posixpath.join(directory, base.split(".", 1)[0]))
+                split = sample_key(member.name) if member.isfile() else None
+                if split is not None:  # (as webdataset groups them: "./a.jpg" is sample "./a", not "")
+                    keys.add(split[0])
             end = tar.offset
             # (tar.fileobj: the decompressed stream of a .tar.gz, whose offsets are the tar's)
             after = first_nonzero_byte(tar.fileobj, end + tarfile.BLOCKSIZE)

@@ -1,15 +1,30 @@
-"""Reading the members of a tar shard the way ``tar -x`` would see them, for the indexers (:mod:`.decode`,
-:mod:`.simple`): what a hard link stands for, why a link is not read, whether data follows the end-of-archive block,
-and the digest of a member's header and data."""
+"""Reading the members of a tar shard the way ``tar -x`` and webdataset would see them, for the indexers
+(:mod:`.decode`, :mod:`.simple`): which sample a member belongs to, what a hard link stands for, why a link is not read,
+whether data follows the end-of-archive block, and the digest of a member's header and data."""
 
 from __future__ import annotations
 
 import os
 import posixpath
+import re
 import tarfile
 from typing import BinaryIO
 
-__all__ = ["data_member", "first_nonzero_byte", "member_digest", "unreadable_link"]
+__all__ = ["data_member", "first_nonzero_byte", "member_digest", "sample_key", "unreadable_link"]
+
+# webdataset's split of a member name into key and extension (``base_plus_ext``), and the member
+# names it skips (``__key__``-style metadata).
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
+_META_NAME = re.compile(r"__[^/]*__($|/)")
+
+
+def sample_key(name: str) -> tuple[str, str] | None:
+    """``(key, lowercased extension)`` of a member ``dir/s000001.seg.png`` (``("dir/s000001", "seg.png")``), as
+    webdataset groups members into samples; None for a name without an extension or a ``__meta__`` name."""
+    match = _KEY_EXT.match(name)
+    if match is None or _META_NAME.match(name):
+        return None
+    return match.group(1), match.group(2).lower()
 
 
 def member_digest(digest, fd: int, info: tarfile.TarInfo, sample: int = 4096) -> None:

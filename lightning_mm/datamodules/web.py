@@ -51,6 +51,7 @@ from lightning_mm.datamodules.common import (
     data_parallel_rank_and_size,
     expand_urls,
     load_manifest,
+    shard_identity,
 )
 from lightning_mm.datamodules.cost_model import cost_coefficients
 from lightning_mm.datamodules.decode import (
@@ -416,9 +417,8 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
                         f"{split}_urls: {len(missing)} of {len(listed)} listed shard(s) missing: {missing[:5]}"
                         + (" ..." if len(missing) > 5 else "")
                     )
-            shared = sorted(
-                {str(Path(u).resolve()) for u in expanded["train"]} & {str(Path(u).resolve()) for u in expanded["val"]}
-            )
+            train = {shard_identity(url) for url in expanded["train"]}
+            shared = [url for url in expanded["val"] if shard_identity(url) in train]
             if shared and self._global_rank() == 0:  # (once: the sources are resolved once)
                 # (allowed: overfitting a small set on purpose is a use; a typo in a glob is the usual cause)
                 _print(
@@ -553,9 +553,8 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
     def teardown(self, stage: str) -> None:
         # A fit that stopped inside an epoch (max_steps, early stopping) never reached the end of its pass: check what
         # it did train on. (Lightning calls this hook after a fit that ended without an exception, on every rank.)
-        train = self._passes.get("train")
-        if getattr(stage, "value", stage) == "fit" and train is not None and not train["ended"] and train["fetched"]:
-            self._end_pass("train", stopped=True)
+        if getattr(stage, "value", stage) == "fit":
+            self._close_stopped_pass("train")
         rank = self._global_rank()
         if rank == 0:  # the whole run, indexing and every pass (this rank's decode-time skips)
             _print(self.error_log.summary(f"data (end of {getattr(stage, 'value', stage)})"))

@@ -25,6 +25,7 @@ import torch
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.checkpoint.errors import MODEL_KEY
 from lightning_mm.checkpoint.publish import _output_error
+from lightning_mm.checkpoint.safe_pickle import first_line
 from lightning_mm.checkpoint.sharded import _read_meta
 from lightning_mm.models.hf.pretrained import init_derived_buffers, is_adapter_name
 from lightning_mm.parallel.materialize import ties_kept
@@ -94,11 +95,9 @@ def _empty_module(hparams: dict[str, Any], path: Path):
     except (TypeError, ValueError, KeyError) as error:
         # Values of the right types that transformers or peft refuse (an unknown model_type, a LoRA setting of
         # another peft version): the checkpoint's, named as such on one line.
-        line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-        line = line if len(line) <= 300 else line[:297] + "..."
         raise ckpt.CheckpointMismatchError(
             f"checkpoint {str(path)!r}: its hyper_parameters do not build an HFCausalLMModule "
-            f"({type(error).__name__}: {line})"
+            f"({first_line(error, 300)})"
         ) from error
     return module
 
