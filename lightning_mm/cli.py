@@ -77,6 +77,10 @@ _TOOLS = {
         "lightning_mm.datamodules.synthetic_cli:make_shards_main",
         "write the embedded synthetic image-text dataset as WebDataset shards",
     ),
+    "index": _Tool(
+        "lightning_mm.datamodules.index_cli:index_main",
+        "build the shard indexes ImageTextWebDataModule plans from (`lightning-mm index --help`)",
+    ),
     "consolidate": _Tool(
         "lightning_mm.checkpoint:consolidate_main",
         "write a sharded checkpoint directory (HybridParallelStrategy) as one checkpoint file",

@@ -376,13 +376,24 @@ def _caption_of(
         )
         return None, "caption_too_large", detail
     data = _read_at(raw, offset, min(size, _MAX_CAPTION_BYTES))
+    return caption_from_bytes(data, source, text_key is None, capped, text_keys)
+
+
+def caption_from_bytes(
+    data: bytes, source: str, is_json: bool, capped: bool, text_keys: Sequence[str] = TEXT_KEYS
+) -> tuple[str | None, str, str]:
+    """A caption file's text, as :func:`index_shard` and the indexed loader (``shard_index``) read it:
+    ``(caption, kind, detail)`` as for ``_caption_of``. ``data``: the file's first ``_MAX_CAPTION_BYTES`` bytes;
+    ``is_json``: the ``"caption"`` field of a ``json`` file (``source`` names the file in messages); ``capped``:
+    the file is longer than ``data``."""
+    text_keys = tuple(text_keys)
     try:
         # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the caption. Not final when
         # capped: a character cut at the cap is left out (held back as incomplete), invalid bytes still raise.
         text = codecs.getincrementaldecoder("utf-8-sig")().decode(data, final=not capped)
     except UnicodeDecodeError as err:
         return None, "caption_not_utf8", f"{source!r} is not UTF-8 ({err})"
-    if text_key is None:
+    if is_json:
         try:
             meta = json.loads(text)
         except (ValueError, RecursionError) as err:

@@ -25,9 +25,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
-import torch
-
-from lightning_mm.datamodules.decode import DEFAULT_MAX_IMAGE_PIXELS, SampleRecord
+from lightning_mm.datamodules.decode import DEFAULT_MAX_IMAGE_PIXELS
 from lightning_mm.datamodules.regroup import (
     CostCoefficients,
     balance_samples,
@@ -38,7 +36,7 @@ from lightning_mm.datamodules.regroup import (
     pack_rows,
     partition_rows,
 )
-from lightning_mm.datamodules.stages import PatchedSample, patch_grid
+from lightning_mm.datamodules.shard_index import SampleLengths, SampleTable
 
 __all__ = ["EpochPlan", "EpochSchedule", "SplitConfig", "deal_batches"]
 
@@ -76,6 +74,8 @@ class SplitConfig:
     """Cost model of the balanced dealing and of ``EpochPlan.step_balance``."""
     on_error: Literal["skip", "raise"] = "skip"
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
+    caption_chars: int = 1 << 20
+    """Characters of a caption tokenized when loading (``ImageTextWebDataModule._caption_chars``)."""
 
     # regroup_config() keys that describe the plan for the fingerprint only (applied at indexing / given as `cost`)
     _FINGERPRINT_ONLY = ("filters", "balance_cost")
@@ -150,9 +150,13 @@ def _cap_at(schedule: dict[int, int], position: int, default: int) -> int:
     return cap
 
 
-def _stand_in(index: int, num_patches: int, num_tokens: int) -> PatchedSample:
-    """A sample with the right lengths and no data, for planning (the regroup stages read only lengths)."""
-    return PatchedSample(index, torch.empty(num_patches, 0), torch.empty(num_patches, 2), torch.empty(num_tokens))
+class _StandIn:
+    """A sample with the right lengths and no data, for planning (the regroup stages read only these three)."""
+
+    __slots__ = ("sample_id", "num_patches", "num_tokens")
+
+    def __init__(self, index: int, num_patches: int, num_tokens: int) -> None:
+        self.sample_id, self.num_patches, self.num_tokens = index, num_patches, num_tokens
 
 
 class _BatchCosts:
@@ -304,8 +308,8 @@ class EpochSchedule:
 
     def __init__(
         self,
-        records: list[SampleRecord],
-        lengths: list[tuple[int, int]],
+        records: SampleTable,
+        lengths: SampleLengths,
         config: SplitConfig,
         shuffle: bool,
         rank: int,
@@ -319,7 +323,7 @@ class EpochSchedule:
         self.start_step, self.plan_world = 0, None
         self._plans: dict[tuple[int, int | None, int | None, int, int | None], EpochPlan] = {}
         self._short: dict[int, list[int]] = {}  # epoch -> record indices of its short batch (carry_remainder)
-        self._lengths_by_cap: dict[int, list[tuple[int, int]]] = {config.max_patches_per_image: lengths}
+        self._lengths_by_cap: dict[int, SampleLengths] = {config.max_patches_per_image: lengths}
 
     def set_epoch(
         self,
@@ -357,15 +361,12 @@ class EpochSchedule:
             return self.config.max_patches_per_image
         return _cap_at(self.config.curriculum, epoch, self.config.max_patches_per_image)
 
-    def lengths_under(self, cap: int) -> list[tuple[int, int]]:
+    def lengths_under(self, cap: int) -> SampleLengths:
         """``(patches, tokens)`` of every record under a patch cap per image (indexing computed them for the full
         cap; the image sizes in the records give the rest). Kept per cap: a curriculum has a few."""
         if cap not in self._lengths_by_cap:
-            patch = self.config.patch_size
-            self._lengths_by_cap[cap] = [
-                (math.prod(patch_grid(r.height, r.width, patch, cap)) if r.image_key is not None else 0, tokens)
-                for r, (_, tokens) in zip(self.records, self.lengths, strict=True)
-            ]
+            patches = self.records.lengths(self.config.patch_size, cap, self.config.max_text_tokens).patches
+            self._lengths_by_cap[cap] = SampleLengths(patches, self.lengths.tokens)
         return self._lengths_by_cap[cap]
 
     def carried_into(self, epoch: int) -> list[int]:
@@ -413,12 +414,12 @@ class EpochSchedule:
         def step_cap(batch_index: int) -> int:
             return _cap_at(schedule, start_step + batch_index // plan_world, full_cap)
 
-        def stand_ins() -> Iterator[PatchedSample]:
+        def stand_ins() -> Iterator[_StandIn]:
             for i in order:
                 cap = step_cap(emitted[0]) if schedule else full_cap
                 if cap != full_cap:
                     caps[i] = cap
-                yield _stand_in(i, *self.lengths_under(cap)[i])
+                yield _StandIn(i, *self.lengths_under(cap)[i])
 
         def counted(batches: Iterator[Any]) -> Iterator[Any]:
             for batch in batches:
@@ -467,9 +468,10 @@ class EpochSchedule:
         if cfg.carry_remainder:
             self._short[epoch] = short
         if caps:
-            lengths = list(lengths)
+            patches = lengths.patches.copy()
             for i, cap in caps.items():
-                lengths[i] = self.lengths_under(cap)[i]
+                patches[i] = self.lengths_under(cap).patches[i]
+            lengths = SampleLengths(patches, lengths.tokens)
         return batches, short, carried, lengths, caps
 
     def _make_plan(

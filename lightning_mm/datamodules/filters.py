@@ -25,11 +25,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from lightning_mm.datamodules.decode import SampleRecord, read_sample_files
+import numpy as np
+
+from lightning_mm.datamodules.decode import IMAGE_KEYS, TEXT_KEYS, ErrorLog, read_sample_files, scan_shard
+from lightning_mm.datamodules.shard_index import SampleTable
 from lightning_mm.validation import require_int
 
 __all__ = ["FILTER_KINDS", "QualityFilters", "describe_counts"]
@@ -94,52 +96,80 @@ class QualityFilters:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def apply(
-        self,
-        records: Sequence[SampleRecord],
-        caption_tokens: Sequence[int],
-        read: Callable[[SampleRecord], dict[str, bytes]] = read_sample_files,
-    ) -> tuple[list[int], dict[str, int]]:
-        """``(indices of the kept records, count per kind of FILTER_KINDS)``. ``caption_tokens[i]``: tokens of
-        record ``i``'s caption (before BOS / EOS). ``read``: a record's file bytes (for json and duplicates)."""
-        counts = dict.fromkeys(FILTER_KINDS, 0)
-        kept: list[int] = []
-        seen: set[bytes] = set()
-        for index, record in enumerate(records):
-            kind = self._failed(record, caption_tokens[index], read, seen)
-            if kind is None:
-                kept.append(index)
-            else:
-                counts[kind] += 1
-        return kept, counts
+    def apply_table(
+        self, table: SampleTable, image_keys: tuple[str, ...] = IMAGE_KEYS, text_keys: tuple[str, ...] = TEXT_KEYS
+    ) -> tuple[np.ndarray, dict[str, int]]:
+        """``(indices of the kept samples of an indexed split, count per kind of FILTER_KINDS)``.
 
-    def _failed(self, record: SampleRecord, tokens: int, read, seen: set[bytes]) -> str | None:
-        has_image = record.image_key is not None and record.width > 0 and record.height > 0
-        if has_image:
-            short, long = sorted((record.width, record.height))
-            if (self.min_image_side is not None and short < self.min_image_side) or (
-                self.max_image_side is not None and long > self.max_image_side
-            ):
-                return "resolution"
-            if self.max_aspect_ratio is not None and long / short > self.max_aspect_ratio:
-                return "aspect_ratio"
-        if (self.min_caption_tokens is not None and tokens < self.min_caption_tokens) or (
-            self.max_caption_tokens is not None and tokens > self.max_caption_tokens
-        ):
-            return "caption_length"
-        files = None
+        The size and caption-length filters read the index only (vectorised); ``deduplicate`` reads each surviving
+        sample's image (or caption) bytes; ``min_similarity`` reads the ``json`` member, which the index does not
+        locate: each shard is scanned again for it (one pass over the shards' headers and captions, shard by shard).
+        """
+        counts = dict.fromkeys(FILTER_KINDS, 0)
+        alive = np.ones(len(table), dtype=bool)
+        has_image = table.has_image & (table.width > 0) & (table.height > 0)
+        short, long = np.minimum(table.width, table.height), np.maximum(table.width, table.height)
+        tokens = table.caption_tokens
+        checks = {
+            "resolution": has_image
+            & (
+                (short < self.min_image_side if self.min_image_side is not None else False)
+                | (long > self.max_image_side if self.max_image_side is not None else False)
+            ),
+            "aspect_ratio": has_image
+            & (long / np.maximum(short, 1) > self.max_aspect_ratio if self.max_aspect_ratio is not None else False),
+            "caption_length": (tokens < self.min_caption_tokens if self.min_caption_tokens is not None else False)
+            | (tokens > self.max_caption_tokens if self.max_caption_tokens is not None else False),
+        }
+        for kind, failed in checks.items():
+            dropped = alive & failed
+            counts[kind] = int(np.count_nonzero(dropped))
+            alive &= ~dropped
         if self.min_similarity is not None:
-            files = read(record)
-            if not _similar_enough(files.get("json"), self.similarity_key, self.min_similarity):
-                return "similarity"
+            scores = _json_members(table, alive, image_keys, text_keys)
+            for index in np.flatnonzero(alive).tolist():
+                if not _similar_enough(scores.get(index), self.similarity_key, self.min_similarity):
+                    alive[index] = False
+                    counts["similarity"] += 1
         if self.deduplicate:
-            files = files if files is not None else read(record)
-            content = files[record.image_key] if record.image_key is not None else record.caption.encode()
-            digest = hashlib.sha256(content).digest()
-            if digest in seen:
-                return "duplicate"
-            seen.add(digest)
-        return None
+            seen: set[bytes] = set()
+            for index in np.flatnonzero(alive).tolist():
+                _, image, caption, _, _ = table.read(index)
+                digest = hashlib.sha256(image if image is not None else (caption or "").encode()).digest()
+                if digest in seen:
+                    alive[index] = False
+                    counts["duplicate"] += 1
+                else:
+                    seen.add(digest)
+        return np.flatnonzero(alive), counts
+
+
+def _json_members(
+    table: SampleTable, wanted: np.ndarray, image_keys: tuple[str, ...], text_keys: tuple[str, ...]
+) -> dict[int, bytes]:
+    """Sample index -> bytes of its ``json`` member, for the ``wanted`` samples (a shard scan finds the member: samples
+    are matched by where their image and caption lie)."""
+    found: dict[int, bytes] = {}
+    samples = table.samples
+    for shard, url in enumerate(table.urls):
+        start, stop = int(table.starts[shard]), int(table.starts[shard + 1])
+        rows = [i for i in range(start, stop) if wanted[i]]
+        if not rows:
+            continue
+        where = {}
+        for i in rows:
+            image_offset = int(samples[i]["image_offset"])
+            where[(image_offset, table._caption_location(i)[0])] = i
+        for record in scan_shard(url, ErrorLog("skip"), image_keys, text_keys, max_image_pixels=None).records:
+            if "json" not in record.files:
+                continue
+            text = next((k for k in text_keys if k in record.files), "json")
+            caption_offset = record.files[text][0]
+            image_offset = record.files[record.image_key][0] if record.image_key is not None else caption_offset
+            index = where.get((image_offset, caption_offset))
+            if index is not None:
+                found[index] = read_sample_files(record)["json"]
+    return found
 
 
 def _similar_enough(raw: bytes | None, key: str, minimum: float) -> bool:

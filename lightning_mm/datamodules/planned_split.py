@@ -15,15 +15,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_mm.batch import IGNORE_INDEX, PAD_SEGMENT, MultimodalBatch
-from lightning_mm.datamodules.decode import (
-    BadSampleError,
-    ErrorLog,
-    SampleRecord,
-    load_rgb_image,
-    read_sample_files,
-)
+from lightning_mm.datamodules.decode import BadSampleError, ErrorLog, load_rgb_image
 from lightning_mm.datamodules.epoch_schedule import EpochPlan, EpochSchedule, SplitConfig
 from lightning_mm.datamodules.regroup import collate_packed
+from lightning_mm.datamodules.shard_index import SampleLengths, SampleTable
 from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patchify
 
 __all__: list[str] = []  # (private: built by ImageTextWebDataModule)
@@ -34,8 +29,8 @@ class _PlannedSplit(IterableDataset):
 
     def __init__(
         self,
-        records: list[SampleRecord],
-        lengths: list[tuple[int, int]],
+        records: SampleTable,
+        lengths: SampleLengths,
         tokenizer: TextTokenizer,
         config: SplitConfig,
         shuffle: bool,
@@ -86,32 +81,38 @@ class _PlannedSplit(IterableDataset):
     def _load_sample(self, index: int, errors: ErrorLog, cap: int) -> PatchedSample | None:
         """One sample, or None when it is bad: every per-sample failure is a counted skip naming the shard and the
         key (under ``on_error="skip"``), never an exception that ends the split."""
-        record = self.records[index]
         try:
-            return self._decode_sample(index, record, errors, cap)
+            return self._decode_sample(index, errors, cap)
         except (BadSampleError, MemoryError):  # (on_error="raise"; memory is the process's problem, not the sample's)
             raise
         except Exception as err:
-            # OSError: the shard changed since it was indexed (read_sample_files names what it expected); anything
+            # OSError: the shard changed since it was indexed (SampleTable.read names what it expected); anything
             # else a decoder, patchify or the tokenizer raises for this sample's content.
             kind = "sample_unreadable" if isinstance(err, OSError) else "sample_failed"
-            errors.error(kind, record.url, record.key, f"{type(err).__name__}: {str(err)[:300]}")
+            url, _ = self.records.locate(index)
+            errors.error(kind, url, self.records.key(index), f"{type(err).__name__}: {str(err)[:300]}")
             return None
 
-    def _decode_sample(self, index: int, record: SampleRecord, errors: ErrorLog, cap: int) -> PatchedSample | None:
-        cfg = self.config
-        files = read_sample_files(record)
-        if record.image_key is None:
+    def _decode_sample(self, index: int, errors: ErrorLog, cap: int) -> PatchedSample | None:
+        cfg, table = self.config, self.records
+        key, image_bytes, caption, kind, detail = table.read(index)
+        url, _ = table.locate(index)
+        if caption is None:  # (the index read a caption here: the shard changed since)
+            errors.error("sample_unreadable", url, key, f"{kind}: {detail}")
+            return None
+        if image_bytes is None:
             patches, positions = torch.zeros(0, 3 * cfg.patch_size**2), torch.zeros(0, 2, dtype=torch.long)
         else:
-            image = load_rgb_image(files[record.image_key], record.url, record.key, errors, cfg.max_image_pixels)
+            image = load_rgb_image(image_bytes, url, key, errors, cfg.max_image_pixels)
             if image is None:  # corrupt body behind a valid header: skipped and counted
                 return None
             patches, positions = patchify(image, cfg.patch_size, cap)
         try:
-            tokens = self.tokenizer.encode(record.caption, cfg.max_text_tokens)
+            # Never longer than planned: the plan's count (the index's) is what the batch was packed with.
+            planned = self.schedule.lengths[index][1]
+            tokens = self.tokenizer.encode(caption[: cfg.caption_chars], min(cfg.max_text_tokens, max(planned, 2)))
         except Exception as err:  # (indexing tokenized it already; a tokenizer may still refuse it here)
-            errors.error("caption_untokenizable", record.url, record.key, f"{type(err).__name__}: {str(err)[:300]}")
+            errors.error("caption_untokenizable", url, key, f"{type(err).__name__}: {str(err)[:300]}")
             return None
         return PatchedSample(index, patches, positions, tokens)
 

@@ -6,6 +6,7 @@ regrouping DataModule reuses them and replaces only the batching stage.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Sequence
@@ -106,6 +107,15 @@ class TextTokenizer:
         pad = [i for i in pad if i is not None]
         self.pad_id = pad[0] if pad else self.eos_id
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self._digest: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (16 hex digits) of the tokenizer's whole definition: what a checkpoint's data fingerprint and a
+        shard index (its caption token counts) name the tokenizer by."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest()[:16]
+        return self._digest
 
     def _find(self, candidates: Sequence[str], role: str) -> int:
         for token in candidates:

@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -206,7 +207,10 @@ def _check_existing(output_dir: Path, params: dict[str, Any], overwrite: bool) -
     if overwrite:
         # Regenerating replaces the whole directory: a file the dataset does not list (notes, a user's own shards)
         # would go with it, so refuse instead of deleting what this tool did not write.
-        foreign = sorted(p.name for p in output_dir.iterdir() if p.name not in _dataset_files(manifest))
+        listed = _dataset_files(manifest)
+        foreign = sorted(
+            p.name for p in output_dir.iterdir() if p.name not in listed and not _is_index_of(p.name, listed)
+        )
         if foreign:
             raise FileExistsError(
                 f"output_dir {output_dir} holds {len(foreign)} file(s) the dataset does not list ({foreign[:5]}); "
@@ -219,6 +223,13 @@ def _check_existing(output_dir: Path, params: dict[str, Any], overwrite: bool) -
         f"output_dir {output_dir} already holds a synthetic dataset generated with different "
         f"parameters ({manifest.get('generator')}); regenerate with overwrite=True (--force)"
     )
+
+
+def _is_index_of(name: str, shards: set[str]) -> bool:
+    """Whether ``name`` is a shard index (``shard_index.py``: ``<shard>.<digest>.lmm-index``) of one of ``shards``:
+    derived from the dataset, so it goes with it."""
+    match = re.fullmatch(r"(.+)\.[0-9a-f]{12}\.lmm-index", name)
+    return match is not None and match.group(1) in shards
 
 
 def _dataset_files(manifest: dict[str, Any]) -> set[str]:

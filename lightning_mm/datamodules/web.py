@@ -5,10 +5,11 @@ things impossible: equal step counts on every data-parallel rank (webdataset #18
 exactly once per epoch (#25) and exact mid-epoch resume (#234, #271). This DataModule plans instead of
 streaming:
 
-1. **Index** (once, in the main process): every local shard is read once for sample keys, file offsets,
-   image sizes (header only) and captions (``decode.index_shard``), under the shared bad-input policy.
-   Patch counts follow from the image sizes (``patch_grid``), token counts from the tokenizer, so the
-   cost of every sample is known before any pixel is decoded.
+1. **Index** (once per shard, kept on disk: ``shard_index.py``): every shard is read once for its samples' file
+   offsets, image sizes (header only) and caption token counts, under the shared bad-input policy, into 24 bytes
+   per sample; later runs (and every rank) read the index back as one numpy array, with no per-sample Python
+   object. Patch counts follow from the image sizes (``patch_grid``), so the cost of every sample is known before
+   any pixel is decoded.
 2. **Plan** (per epoch, identical on every rank; ``epoch_schedule.py``): shuffle all samples with ``(seed, epoch)``,
    regroup them on their lengths only (``regroup``), deal the global batches to the data-parallel ranks (round-robin,
    or evening the compute cost with ``balance=True``) so that every rank has the same number of steps. The remainder
@@ -38,11 +39,11 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
+import numpy as np
 
 from lightning_mm.datamodules.accounting import PassAccounting, _print
 from lightning_mm.datamodules.common import (
@@ -60,16 +61,22 @@ from lightning_mm.datamodules.decode import (
     IMAGE_KEYS,
     TEXT_KEYS,
     ErrorLog,
-    SampleRecord,
     ShardIndex,
+    _too_large,
     account_damaged_shards,
     check_image_pixels,
-    scan_shard,
 )
 from lightning_mm.datamodules.epoch_schedule import EpochPlan, SplitConfig, _budget_from_ratio, deal_batches
 from lightning_mm.datamodules.filters import FILTER_KINDS, QualityFilters, describe_counts
 from lightning_mm.datamodules.planned_split import _all_padding, _PlannedSplit  # noqa: F401 (_all_padding: re-export)
-from lightning_mm.datamodules.stages import TextTokenizer, patch_grid
+from lightning_mm.datamodules.shard_index import (
+    IndexSettings,
+    LoadedShardIndex,
+    SampleLengths,
+    SampleTable,
+    ensure_shard_index,
+)
+from lightning_mm.datamodules.stages import TextTokenizer
 from lightning_mm.validation import require_int
 
 # EpochPlan and deal_batches live in epoch_schedule.py, _PlannedSplit and _all_padding in planned_split.py; they are
@@ -197,6 +204,11 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
             rest of the plan, so a resume replans the same. The dealing remainder (whole batches that would not give
             every data-parallel rank a step) depends on the number of ranks and is not carried: use
             ``epoch_policy="pad"`` to keep it.
+        index_dir: where the shard indexes live (:mod:`~lightning_mm.datamodules.shard_index`: 24 bytes per sample,
+            built once, on first use or by ``lightning-mm index``). None: beside each shard (``<shard>.lmm-index``),
+            or in ``~/.cache/lightning-mm/index`` where the shard's directory is not writable. An index built for
+            another tokenizer or other key / pixel settings is refused naming the shard: give another directory to
+            keep a second set.
 
     Every skipped sample is counted by kind and printed: after indexing each split, at the end of every epoch
     and when the run ends (with an example shard / key per kind), whatever callbacks are present.
@@ -235,6 +247,7 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         balance: bool = False,
         balance_cost: str | dict[str, Any] = "1b",
         carry_remainder: bool = False,
+        index_dir: str | None = None,
     ) -> None:
         super().__init__()
         check_image_pixels(max_image_pixels)
@@ -259,6 +272,8 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
                 maximum=max_patches_per_image,
                 hint=f"a patch cap per image; max_patches_per_image={max_patches_per_image}",
             )
+        if index_dir is not None and (not isinstance(index_dir, str) or not index_dir):
+            raise ValueError(f"index_dir must be a directory path or None, got {index_dir!r}")
         if not isinstance(carry_remainder, bool):
             raise ValueError(f"carry_remainder must be True or False, got {carry_remainder!r}")
         if isinstance(max_skipped_fraction, bool) or not 0 <= max_skipped_fraction <= 1:
@@ -315,7 +330,7 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         self.error_log = ErrorLog(on_error)
         self._passes: dict[str, dict[str, Any]] = {}
         self._tokenizer: TextTokenizer | None = None
-        self._splits: dict[str, tuple[list[SampleRecord], list[tuple[int, int]]]] = {}
+        self._splits: dict[str, tuple[SampleTable, SampleLengths]] = {}
         self._consumed = {"epoch": 0, "batches": 0, "global_batches": 0, "start_step": 0, "plan_world": None}
         self._steps_done = 0  # training batches this rank consumed over the run (the step curriculum's clock)
         self._resume: dict[str, int] | None = None
@@ -327,7 +342,6 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         self._caption_limit: int | None = None  # (_caption_chars)
         self._resolved_sources: tuple[dict[str, list[str]], str] | None = None  # (_sources)
         self._shard_digests: dict[str, str] = {}  # train shard -> content digest taken at indexing (fingerprint)
-        self._tokenizer_digest: str | None = None
         self.filter_counts: dict[str, int] = dict.fromkeys(FILTER_KINDS, 0)
         """Training samples each quality filter dropped at indexing (:data:`~lightning_mm.datamodules.filters.
         FILTER_KINDS`)."""
@@ -341,7 +355,7 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
             patches, tokens = hp.max_patches_per_batch, hp.max_tokens_per_batch
             if "auto" in (patches, tokens):
                 lengths = self._index("train")[1]
-                real_patches, real_tokens = sum(p for p, _ in lengths), sum(t for _, t in lengths)
+                real_patches, real_tokens = int(lengths.patches.sum()), int(lengths.tokens.sum())
                 rows = hp.rows_per_batch if hp.regroup == "pack" else 1
                 if tokens == "auto":
                     tokens = _budget_from_ratio(patches, real_tokens, real_patches, rows, hp.max_text_tokens)
@@ -435,57 +449,88 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         }
         return dataset.shards, hp.tokenizer or dataset.tokenizer
 
-    def _index(self, split: str) -> tuple[list[SampleRecord], list[tuple[int, int]]]:
+    def _index_settings(self) -> IndexSettings:
+        hp = self.hparams
+        return IndexSettings(tuple(hp.image_keys or IMAGE_KEYS), tuple(hp.text_keys or TEXT_KEYS), hp.require_images)
+
+    def _shard_indexes(self, split: str) -> list[LoadedShardIndex]:
+        """Every shard's index (``shard_index.py``), built where missing or stale: once per node in
+        ``prepare_data``, read back by every rank."""
+        shards, _ = self._sources()
+        settings, say = self._index_settings(), (_print if self._global_rank() == 0 else None)
+        return [
+            ensure_shard_index(url, self.tokenizer, settings, self.hparams.index_dir, say=say)[0]
+            for url in shards[split]
+        ]
+
+    def _index(self, split: str) -> tuple[SampleTable, SampleLengths]:
+        """The split's samples (read from the shard indexes, O(24 bytes) each) and their planned lengths."""
         if split in self._splits:
             return self._splits[split]
         shards, _ = self._sources()
         hp = self.hparams
-        image_keys = tuple(hp.image_keys or IMAGE_KEYS)
-        text_keys = tuple(hp.text_keys or TEXT_KEYS)
         since, since_shards = dict(self.error_log.counts), self.error_log.shard_snapshot()
-        indexes: list[ShardIndex] = []
-        for url in shards[split]:
-            index = scan_shard(url, self.error_log, image_keys, text_keys, hp.max_image_pixels, hp.require_images)
-            self._check_image_keys(split, index, image_keys)
-            indexes.append(index)
+        indexes = self._shard_indexes(split)
+        scans: list[ShardIndex] = []
+        for position, index in enumerate(indexes):
+            index.replay(self.error_log)  # (the skips its build counted; under on_error="raise" the first raises)
+            indexes[position] = self._drop_too_large(index)
+            scan = index.scan()
+            self._check_image_keys(split, scan, self._index_settings().image_keys)
+            scans.append(scan)
         # A damaged shard counts the samples it lost, known from the manifest or estimated from its intact siblings.
-        account_damaged_shards(indexes, self.error_log, self._known_samples, "the dataset's manifest.json")
-        self._count_short_shards(indexes)
+        account_damaged_shards(scans, self.error_log, self._known_samples, "the dataset's manifest.json")
+        self._count_short_shards(scans)
         if split == "train":
-            self._shard_digests = {index.url: index.digest for index in indexes}
-        records = [record for index in indexes for record in index.records]
-        records, encoded = self._tokenize(records)
+            self._shard_digests = {scan.url: scan.digest for scan in scans}
+        table = SampleTable.from_indexes(indexes)
+        del indexes  # (their arrays now live in the table)
         skipped = self.error_log.skipped - sum(since[kind] for kind in ERROR_KINDS)
-        kept = Counter(record.url for record in records)
         # (same on every rank)
         self._report(
-            f"data ({split}, indexed)", skipped, len(records) + skipped, since, since_shards=since_shards, kept=kept
+            f"data ({split}, indexed)",
+            skipped,
+            len(table) + skipped,
+            since,
+            since_shards=since_shards,
+            kept=table.counts(),
         )
-        if not records:
+        if not len(table):
             raise ValueError(
                 f"{split}_urls: no valid sample in {len(shards[split])} shard(s); error counts: {self.error_log.counts}"
             )
-        lengths = []
         if split == "train" and self._filters.active:
-            kept, counts = self._filters.apply(records, [len(e) for e in encoded])
+            kept, counts = self._filters.apply_table(table, *dataclasses.astuple(self._index_settings())[:2])
             self.filter_counts = counts
-            message = describe_counts(counts, len(records))
+            message = describe_counts(counts, len(table))
             if message is not None and self._global_rank() == 0:
                 _print(f"data ({split}, indexed): {message}")
-            if not kept:
-                raise ValueError(f"filters drop all {len(records)} {split} samples ({counts}); loosen them")
-            records, encoded = [records[i] for i in kept], [encoded[i] for i in kept]
-        for record, ids in zip(records, encoded, strict=True):
-            rows, cols = (
-                patch_grid(record.height, record.width, hp.patch_size, hp.max_patches_per_image)
-                if record.image_key is not None
-                else (0, 0)
-            )
-            if len(ids) + 2 > hp.max_text_tokens:
-                self.error_log.notice("caption_truncated")
-            lengths.append((rows * cols, min(len(ids) + 2, hp.max_text_tokens)))
-        self._splits[split] = (records, lengths)
+            if not len(kept):
+                raise ValueError(f"filters drop all {len(table)} {split} samples ({counts}); loosen them")
+            table = table.subset(kept)
+        truncated = int(np.count_nonzero(table.caption_tokens + 2 > hp.max_text_tokens))
+        if truncated:
+            self.error_log.notice("caption_truncated", truncated)
+        lengths = table.lengths(hp.patch_size, hp.max_patches_per_image, hp.max_text_tokens)
+        self._splits[split] = (table, lengths)
         return self._splits[split]
+
+    def _drop_too_large(self, index: LoadedShardIndex) -> LoadedShardIndex:
+        """The index less its images over ``max_image_pixels`` (the index keeps every size: ``IndexSettings``), each
+        an ``image_too_large`` skip of the shard, as a scan with the limit would have counted it."""
+        limit = self.hparams.max_image_pixels
+        if limit is None or not len(index.samples):
+            return index
+        pixels = index.samples["width"].astype(np.int64) * index.samples["height"].astype(np.int64)
+        drop = pixels > limit
+        count = int(np.count_nonzero(drop))
+        if not count:
+            return index
+        first = int(np.flatnonzero(drop)[0])
+        width, height = int(index.samples["width"][first]), int(index.samples["height"][first])
+        key = SampleTable.from_indexes([index]).key(first)
+        self.error_log.error("image_too_large", index.url, key, _too_large(width, height, limit), samples=count)
+        return index.without(drop)
 
     def _count_short_shards(self, indexes: list[ShardIndex]) -> None:
         """An intact shard holding fewer samples than the dataset's manifest.json lists for it (rewritten or replaced
@@ -510,31 +555,6 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
             f"{index.url!r}, whose samples hold {extensions}: the run would train on text alone. Set image_keys to "
             "the image extension(s) of every shard, or require_images=False for a text-only dataset"
         )
-
-    def _tokenize(self, records: list[SampleRecord]) -> tuple[list[SampleRecord], list[list[int]]]:
-        """The records the tokenizer accepts and their caption ids; a caption it refuses is a counted skip
-        (``caption_untokenizable``) naming the shard and the key, not an error for the whole split."""
-        tokenizer = self.tokenizer.tokenizer
-        limit = self._caption_chars()
-        # (the record keeps the cut caption: the workers tokenize it again every epoch, and planning and loading must
-        # see the same text)
-        records = [r if len(r.caption) <= limit else dataclasses.replace(r, caption=r.caption[:limit]) for r in records]
-        captions = [r.caption for r in records]
-        try:
-            return records, [e.ids for e in tokenizer.encode_batch(captions, add_special_tokens=False)]
-        except Exception:  # (one bad caption fails the whole batch call: find it, one caption at a time)
-            pass
-        kept, encoded = [], []
-        for record in records:
-            try:
-                ids = tokenizer.encode(record.caption, add_special_tokens=False).ids
-            except Exception as err:
-                detail = f"the tokenizer refuses the caption ({type(err).__name__}: {str(err)[:200]})"
-                self.error_log.error("caption_untokenizable", record.url, record.key, detail)
-                continue
-            kept.append(record)
-            encoded.append(ids)
-        return kept, encoded
 
     def _caption_chars(self) -> int:
         """Characters of a caption worth tokenizing: ``max_text_tokens`` tokens cover at most that many times the
@@ -586,11 +606,8 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         """What turns a record into a sample besides the plan: the tokenizer (a digest of its whole definition) and
         the decode and key settings."""
         hp = self.hparams
-        if self._tokenizer_digest is None:
-            definition = self.tokenizer.tokenizer.to_str()
-            self._tokenizer_digest = hashlib.sha256(definition.encode()).hexdigest()[:16]
         return {
-            "tokenizer": self._tokenizer_digest,
+            "tokenizer": self.tokenizer.digest,
             "image_keys": list(hp.image_keys or IMAGE_KEYS),
             "text_keys": list(hp.text_keys or TEXT_KEYS),
             "max_image_pixels": hp.max_image_pixels,
@@ -609,8 +626,13 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         return self.tokenizer.vocab_size
 
     def prepare_data(self) -> None:
-        # Generates the embedded dataset if needed (once per node; ensure_synthetic_shards is race-safe).
-        self._sources()
+        # Generates the embedded dataset if needed (once per node; ensure_synthetic_shards is race-safe), then builds
+        # the shard indexes that are missing or stale, once per node (Lightning calls this on local rank 0 and holds
+        # the node's other ranks at a barrier until it returns; the writes are atomic, so nodes sharing a file system
+        # may build the same index at once).
+        shards, _ = self._sources()
+        for split in shards:
+            self._shard_indexes(split)
 
     # ------------------------------------------------------------------------------------ loaders
 
@@ -621,7 +643,7 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         return self.trainer.current_epoch if self.trainer is not None else 0
 
     def _loader(self, split: str, shuffle: bool, epoch_fn) -> EpochAwareLoader:
-        records, lengths = self._index(split)
+        table, lengths = self._index(split)
         rank, world = self._data_parallel_rank_and_size()
         hp = self.hparams
         config = SplitConfig.from_settings(
@@ -629,10 +651,11 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
             cost=self.cost_coefficients,
             on_error=hp.on_error,
             max_image_pixels=hp.max_image_pixels,
+            caption_chars=self._caption_chars(),
         )
         if split == "val":  # (every pair scored once, at full resolution)
             config = config.for_validation(hp.val_batch_size if hp.regroup == "none" else None)
-        dataset = _PlannedSplit(records, lengths, self.tokenizer, config, shuffle, rank, world)
+        dataset = _PlannedSplit(table, lengths, self.tokenizer, config, shuffle, rank, world)
         if split == "train":
             # Lightning asks the loader's length before iterating it (and, unless it reloads the loader every epoch,
             # only once): the length must be that of the epoch the loader is made for, and a resumed epoch dealt to
@@ -641,7 +664,7 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
             self._check_epoch_lengths(len(dataset), dataset.skip)
         if len(dataset.plan(dataset.epoch).batches) == 0:
             raise ValueError(
-                f"{split}: {len(records)} samples give no batch for each of {world} data-parallel "
+                f"{split}: {len(table)} samples give no batch for each of {world} data-parallel "
                 f"rank(s); lower batch_size / the budgets, or use fewer ranks"
             )
 

@@ -180,7 +180,7 @@ def test_a_fit_stopped_inside_an_epoch_fails_when_what_it_read_skipped_too_much(
         records, _ = probe._index("train")
         first_two = probe.train_dataloader().dataset.plan(0).batches[:2]
         order = [i for batch in first_two for row in batch for i in row]
-        broken = {int(records[i].key[1:]) for i in order[:count_broken]}
+        broken = {int(records.key(i)[1:]) for i in order[:count_broken]}
         _write_shard(tmp_path / "train-000000.tar", 0, 200, corrupt=broken)
         return {**settings, "max_skipped_fraction": 0.05}
 
@@ -581,20 +581,25 @@ def test_long_captions_are_cut_and_counted(shards):
     assert dm.error_log.counts["caption_truncated"] > 0
 
 
-def test_a_huge_caption_is_cut_before_tokenizing_without_changing_its_kept_tokens(shards):
-    """Only the first max_text_tokens ids of a caption are used; a multi-MB caption is cut well past them before the
-    tokenizer sees it (which cost ~275 bytes per character) and kept cut, and the ids kept are the uncut caption's."""
-    from lightning_mm.datamodules.decode import SampleRecord
-
-    dm = _dm(shards, max_text_tokens=48)
+def test_a_huge_caption_is_cut_before_tokenizing_without_changing_its_kept_tokens(shards, tmp_path):
+    """Only the first max_text_tokens ids of a caption are used; a ~1 MB caption is cut well past them before the
+    tokenizer sees it (which cost ~275 bytes per character), when indexing and when loading, and the ids the batch
+    holds are the uncut caption's."""
     words = " ".join(f"word{i % 97} colour{i % 13}, the {i}th" for i in range(40_000))  # ~1 MB
-    record = SampleRecord("s.tar", "s000000", 0, {"txt": (0, len(words))}, None, 0, 0, words)
+    url = tmp_path / "huge-000000.tar"
+    image, _ = render_sample(0, "train", seed=5, min_short_side=16, max_short_side=96)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    with wds.TarWriter(str(url)) as sink:
+        sink.write({"__key__": "s000000", "png": buffer.getvalue(), "txt": words})
+    dm = _dm(shards, train_urls=str(url), regroup="none", batch_size=1, max_text_tokens=48)
     limit = dm._caption_chars()
     assert 48 < limit < len(words) // 100
-    (kept,), (ids,) = dm._tokenize([record])
-    assert kept.key == record.key and kept.caption == words[:limit]  # (the workers tokenize the kept text again)
+    table, lengths = _attach(dm, 0, 1)._index("train")
+    assert lengths[0][1] == 48 and table.caption_tokens[0] > 48  # (counted on a cut caption, capped by the plan)
+    (batch,) = list(dm.train_dataloader())
     uncut = dm.tokenizer.tokenizer.encode(words, add_special_tokens=False).ids
-    assert len(ids) < len(uncut) and ids[:48] == uncut[:48]
+    assert batch.tokens[0].tolist() == [dm.tokenizer.bos_id, *uncut[:47]]
 
 
 @pytest.mark.parametrize("regroup", ["none", "pack"])

@@ -1,0 +1,608 @@
+"""Shard indexes: what planning needs of every sample, built once per shard and stored in 24 bytes a sample.
+
+Planning an epoch needs every sample's lengths (image size -> patches, caption -> tokens); loading a planned sample
+needs where its image and caption lie inside the tar. Scanning and tokenizing every shard on every rank at every start
+costs ~185 us and ~7.6 KB of Python objects per sample (issue 50's measurements): 20 h and 3 TB per rank at
+LAION-400M. Instead each shard gets an index file, written once (by ``lightning-mm index`` or on first use) and read
+back as one numpy array:
+
+==================  =======  =====================================================================================
+field               type     meaning
+==================  =======  =====================================================================================
+``image_offset``    u8       file offset of the image member's data (for a text-only sample: the caption's)
+``image_size``      u4       bytes of the image file; 0: no image (a legal missing modality)
+``caption_delta``   i4       caption data offset minus ``image_offset``
+``caption_size``    u2       bytes of the caption file; ``0xFFFF``: see the header's ``overflow`` (longer captions,
+                             or a caption more than 2 GiB away from its image: a hard link to an early member)
+``width, height``   u2, u2   image size from its header (no pixel decoded); sides over 65535 px are
+                             ``image_too_large`` skips
+``tokens``          u2       caption tokens (the index's tokenizer, no BOS / EOS, saturating at ``0x7FFF``);
+                             top bit: the caption is the ``"caption"`` field of a ``json`` file
+==================  =======  =====================================================================================
+
+A file is ``_MAGIC``, a little-endian u4 header length, a JSON header (format version, the shard's size and
+``st_mtime_ns``, the tokenizer's digest, the decode settings, the CRC-32 of the array, what the scan found: sample
+and damage counts, the content digest, per-kind skip counts with the first problem of each kind), then the array.
+Samples are the valid ones in tar order; validation is :func:`~lightning_mm.datamodules.decode.scan_shard`'s, so an
+index holds exactly what a scan would keep, and the skips it counted are replayed into the run's
+:class:`~lightning_mm.datamodules.decode.ErrorLog` when the index is read (``on_error="raise"`` raises the first).
+
+Where: beside the shard (``<shard>.<digest>.lmm-index``, as Megatron-Energon's ``.tar.idx``; the digest names the
+tokenizer and the key settings, so runs with other ones keep indexes of their own) when its directory is writable,
+else under ``$XDG_CACHE_HOME/lightning-mm/index`` (or ``index_dir``), keyed by the shard's absolute path. Writes are
+atomic (a temporary sibling, ``fsync``, ``os.replace``), so processes that build the same index at once (one per
+node) each leave a complete file. An index whose shard changed (size or modification time) or whose own bytes are
+damaged (magic, version, header, CRC) is rebuilt, said in one line; a file under this name whose header says another
+tokenizer or other settings (copied or renamed by hand) is refused naming the shard (``force=True`` / ``--force``
+rebuilds it).
+
+Memory and time: the index of a split is ``24 * samples`` bytes, read shard by shard (no per-sample Python object);
+building costs one pass over the shard (headers and captions, no pixel) and one batched tokenizer call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import tarfile
+import zlib
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_mm.datamodules.decode import (
+    _MAX_CAPTION_BYTES,
+    ERROR_KINDS,
+    IMAGE_KEYS,
+    NOTICE_KINDS,
+    TEXT_KEYS,
+    ErrorLog,
+    ShardIndex,
+    caption_from_bytes,
+    scan_shard,
+)
+from lightning_mm.datamodules.stages import TextTokenizer
+from lightning_mm.datamodules.tar_members import sample_key
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "INDEX_VERSION",
+    "SAMPLE_DTYPE",
+    "IndexMismatchError",
+    "IndexSettings",
+    "LoadedShardIndex",
+    "SampleTable",
+    "build_shard_index",
+    "ensure_shard_index",
+    "index_path",
+]
+
+INDEX_SUFFIX = ".lmm-index"
+INDEX_VERSION = 1
+_MAGIC = b"LMMINDEX"
+SAMPLE_DTYPE = np.dtype(
+    [
+        ("image_offset", "<u8"),
+        ("image_size", "<u4"),
+        ("caption_delta", "<i4"),
+        ("caption_size", "<u2"),
+        ("width", "<u2"),
+        ("height", "<u2"),
+        ("tokens", "<u2"),
+    ]
+)
+_SEE_OVERFLOW = 0xFFFF
+_TOKENS_MAX = 0x7FFF
+_JSON_CAPTION = 0x8000
+_INDEX_CAPTION_CHARS = 1 << 16
+"""Characters of a caption tokenized for its count: a longer caption counts at least ``65536 / longest token`` tokens
+(>= 1024 for any vocabulary whose tokens are at most 64 characters), more than any ``max_text_tokens`` it is cut to.
+The loader never makes a caption longer than planned (it encodes under the planned length), so a count that is low
+only pads."""
+_MAX_HEADER_BYTES = 64 << 20
+
+
+class IndexMismatchError(ValueError):
+    """An index built for another tokenizer or other decode settings than this run's (it is not rebuilt silently: it
+    may be another run's)."""
+
+
+@dataclass(frozen=True)
+class IndexSettings:
+    """The decode settings that decide which members are a sample's image and caption and which samples are valid
+    (part of an index's header and of its file name). ``max_image_pixels`` is not one: the index keeps every image
+    size and the DataModule drops the images over its limit when it reads the index (:meth:`LoadedShardIndex.without`),
+    so runs with other limits share one index."""
+
+    image_keys: tuple[str, ...] = IMAGE_KEYS
+    text_keys: tuple[str, ...] = TEXT_KEYS
+    require_images: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    def digest(self, tokenizer: TextTokenizer) -> str:
+        """12 hex digits naming an index built with these settings and ``tokenizer`` (its file name holds them)."""
+        named = json.dumps({"tokenizer": tokenizer.digest, **self.as_dict()}, sort_keys=True)
+        return hashlib.sha256(named.encode()).hexdigest()[:12]
+
+
+class _RecordingLog(ErrorLog):
+    """An ``on_error="skip"`` log that also keeps the first problem of each kind, in the order found (replayed into
+    the run's log when the index is read)."""
+
+    def __init__(self) -> None:
+        super().__init__("skip")
+        self.first: list[tuple[str, str | None, str]] = []
+
+    def error(self, kind: str, url: str, key: str | None, detail: str, samples: int = 1) -> None:
+        if all(kind != seen for seen, _, _ in self.first):
+            self.first.append((kind, key, detail))
+        super().error(kind, url, key, detail, samples)
+
+
+def _token_counts(tokenizer: TextTokenizer, captions: list[str]) -> list[int | None]:
+    """Tokens of each caption (cut at ``_INDEX_CAPTION_CHARS``); None where the tokenizer refuses it."""
+    cut = [caption[:_INDEX_CAPTION_CHARS] for caption in captions]
+    try:
+        return [len(e.ids) for e in tokenizer.tokenizer.encode_batch(cut, add_special_tokens=False)]
+    except Exception:  # (one bad caption fails the whole batch call: find it, one caption at a time)
+        pass
+    counts: list[int | None] = []
+    for caption in cut:
+        try:
+            counts.append(len(tokenizer.tokenizer.encode(caption, add_special_tokens=False).ids))
+        except Exception:
+            counts.append(None)
+    return counts
+
+
+def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSettings) -> tuple[dict[str, Any], np.ndarray]:
+    """Scan one shard (:func:`~lightning_mm.datamodules.decode.scan_shard`), count its captions' tokens and return
+    ``(header, samples)``: the index as :func:`ensure_shard_index` writes it (``samples``: ``(n,)`` of
+    :data:`SAMPLE_DTYPE`). Never raises for bad data: every problem is counted in the header."""
+    stat = os.stat(url) if os.path.isfile(url) else None
+    log = _RecordingLog()
+    # (no pixel limit here: IndexSettings says why; PIL's own decompression-bomb guard still refuses a header)
+    scan = scan_shard(url, log, settings.image_keys, settings.text_keys, None, settings.require_images)
+    kept, captions = [], []
+    for record in scan.records:
+        if max(record.width, record.height) > 0xFFFF:
+            side = f"the header declares {record.width} x {record.height} pixels: a side over 65535 px"
+            log.error("image_too_large", url, record.key, side)
+            continue
+        kept.append(record)
+        captions.append(record.caption)
+    counts = _token_counts(tokenizer, captions)
+    samples = np.zeros(len(kept), SAMPLE_DTYPE)
+    overflow: list[list[int]] = []
+    row = 0
+    for record, count in zip(kept, counts, strict=True):
+        if count is None:
+            log.error("caption_untokenizable", url, record.key, "the tokenizer refuses the caption")
+            continue
+        text_key = next((k for k in settings.text_keys if k in record.files), None)
+        caption_offset, caption_size = record.files[text_key or "json"]
+        if record.image_key is not None:
+            image_offset, image_size = record.files[record.image_key]
+        else:
+            image_offset, image_size = caption_offset, 0
+        delta = caption_offset - image_offset
+        compact = caption_size < _SEE_OVERFLOW and -(2**31) <= delta < 2**31
+        samples[row] = (
+            image_offset,
+            image_size,
+            delta if compact else 0,
+            caption_size if compact else _SEE_OVERFLOW,
+            record.width,
+            record.height,
+            min(count, _TOKENS_MAX) | (_JSON_CAPTION if text_key is None else 0),
+        )
+        if not compact:
+            overflow.append([row, caption_offset, caption_size])
+        row += 1
+    samples = samples[:row]
+    errors = {kind: n for kind, n in log.by_shard.get(url, {}).items() if n}
+    header = {
+        "version": INDEX_VERSION,
+        "shard": {"name": os.path.basename(url), **_identity(stat)},
+        "tokenizer": tokenizer.digest,
+        "settings": settings.as_dict(),
+        "samples": int(row),
+        "crc32": zlib.crc32(samples.tobytes()),
+        "scan": {
+            "samples": scan.samples,
+            "with_image": scan.with_image,
+            "extensions": dict(scan.extensions),
+            "damage": scan.damage,
+            "damage_kind": scan.damage_kind,
+            "damage_key": scan.damage_key,
+            "digest": scan.digest,
+        },
+        "errors": errors,
+        "first_errors": [list(item) for item in log.first],
+        "notices": {kind: log.counts[kind] for kind in NOTICE_KINDS if log.counts[kind]},
+        "overflow": overflow,
+    }
+    return header, samples
+
+
+def _identity(stat: os.stat_result | None) -> dict[str, int]:
+    """What says a shard is the one an index was built from (a rewrite changes its size or modification time)."""
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns} if stat is not None else {"size": -1, "mtime_ns": -1}
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lightning-mm" / "index"
+
+
+def index_path(url: str, digest: str, index_dir: str | os.PathLike | None = None, for_writing: bool = False) -> Path:
+    """Where the index of shard ``url`` for ``digest`` (:meth:`IndexSettings.digest`) lies:
+    ``<shard>.<digest>.lmm-index`` in ``index_dir`` (given), else beside the shard, else (the shard's directory is
+    not writable) in the user's cache. ``for_writing=False`` prefers an existing file beside the shard or in the
+    cache, in that order."""
+    absolute = os.path.abspath(url)
+    name = f"{os.path.basename(absolute)}.{digest}{INDEX_SUFFIX}"
+    keyed = f"{hashlib.sha256(absolute.encode('utf-8', 'surrogateescape')).hexdigest()[:16]}-{name}"
+    if index_dir is not None:
+        return Path(index_dir) / keyed
+    beside, cached = Path(os.path.join(os.path.dirname(absolute), name)), _cache_root() / keyed
+    if not for_writing:
+        for path in (beside, cached):
+            if os.path.lexists(path):
+                return path
+    return beside if os.access(os.path.dirname(absolute), os.W_OK) else cached
+
+
+def _write_index(path: Path, header: dict[str, Any], samples: np.ndarray) -> None:
+    """Write atomically: a temporary sibling, fsync, ``os.replace``, fsync of the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = json.dumps(header, sort_keys=True).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(_MAGIC + struct.pack("<I", len(body)) + body)
+            out.write(samples.tobytes())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+class _Damaged(Exception):
+    """An index file that cannot be used as it is (rebuilt): the reason."""
+
+
+def _read_index(path: Path) -> tuple[dict[str, Any], np.ndarray]:
+    """``(header, samples)`` of an index file; :class:`_Damaged` when its bytes are not a whole index. The file itself
+    is never read through a link (``O_NOFOLLOW``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as err:
+        raise _Damaged(f"cannot be opened ({err.strerror})") from err
+    with os.fdopen(fd, "rb") as raw:
+        head = raw.read(len(_MAGIC) + 4)
+        if len(head) < len(_MAGIC) + 4 or head[: len(_MAGIC)] != _MAGIC:
+            raise _Damaged("is not a lightning-mm index (bad magic bytes)")
+        (length,) = struct.unpack("<I", head[len(_MAGIC) :])
+        if length > _MAX_HEADER_BYTES:
+            raise _Damaged(f"declares a {length}-byte header (damaged)")
+        try:
+            header = json.loads(raw.read(length))
+        except (ValueError, RecursionError) as err:
+            raise _Damaged(f"has an unreadable header ({type(err).__name__})") from err
+        if not isinstance(header, dict) or header.get("version") != INDEX_VERSION:
+            found = header.get("version") if isinstance(header, dict) else None
+            raise _Damaged(f"has format version {found!r}, this lightning-mm reads {INDEX_VERSION}")
+        try:
+            count = int(header["samples"])
+            if count < 0:
+                raise ValueError(count)
+            samples = np.empty(count, SAMPLE_DTYPE)
+            read = raw.readinto(memoryview(samples).cast("B"))
+        except (KeyError, TypeError, ValueError, OverflowError, MemoryError) as err:
+            raise _Damaged(f"has a malformed header ({type(err).__name__}: {err})") from err
+        if read != samples.nbytes or raw.read(1):
+            raise _Damaged(f"holds {read} bytes of samples where its header declares {samples.nbytes}")
+    if zlib.crc32(samples.tobytes()) != header.get("crc32"):
+        raise _Damaged("fails its checksum (CRC-32 of the samples)")
+    return header, samples
+
+
+@dataclass
+class LoadedShardIndex:
+    """One shard's index, read back: ``samples`` ``(n,)`` of :data:`SAMPLE_DTYPE` and its header."""
+
+    url: str
+    path: Path
+    header: dict[str, Any]
+    samples: np.ndarray
+
+    def scan(self) -> ShardIndex:
+        """What the scan found (no records): the input of the damaged-shard and image-key checks."""
+        scan = self.header["scan"]
+        return ShardIndex(
+            self.url,
+            [],
+            scan["digest"],
+            samples=scan["samples"],
+            with_image=scan["with_image"],
+            extensions=Counter(scan["extensions"]),
+            damage=scan["damage"],
+            damage_kind=scan["damage_kind"],
+            damage_key=scan["damage_key"],
+        )
+
+    def without(self, drop: np.ndarray) -> LoadedShardIndex:
+        """This index less the samples where ``drop`` (``(n,)`` bool) is True (positions renumbered)."""
+        keep = np.flatnonzero(~drop)
+        renumber = {int(old): new for new, old in enumerate(keep.tolist())}
+        overflow = [[renumber[row], offset, size] for row, offset, size in self.header["overflow"] if row in renumber]
+        header = {**self.header, "overflow": overflow, "samples": len(keep)}
+        return LoadedShardIndex(self.url, self.path, header, self.samples[keep])
+
+    def replay(self, errors: ErrorLog) -> None:
+        """Report the problems the build counted to ``errors`` (under ``on_error="raise"``: the first one raises)."""
+        counts = self.header["errors"]
+        for kind, key, detail in self.header["first_errors"]:
+            errors.error(kind, self.url, key, detail, samples=counts[kind])
+        for kind, count in self.header["notices"].items():
+            errors.notice(kind, count)
+
+
+def _validate_header(header: dict[str, Any], path: Path) -> None:
+    """Refuse a header whose fields are not of the expected shapes (a hand-edited or foreign file)."""
+    try:
+        scan, errors = header["scan"], header["errors"]
+        ok = (
+            isinstance(scan, dict)
+            and isinstance(errors, dict)
+            and all(kind in ERROR_KINDS and isinstance(n, int) and n >= 0 for kind, n in errors.items())
+            and all(isinstance(item, list) and len(item) == 3 and item[0] in errors for item in header["first_errors"])
+            and all(kind in NOTICE_KINDS and isinstance(n, int) and n >= 0 for kind, n in header["notices"].items())
+            and all(isinstance(row, list) and len(row) == 3 for row in header["overflow"])
+            and isinstance(scan["samples"], int)
+            and isinstance(scan["extensions"], dict)
+        )
+    except (KeyError, TypeError) as err:
+        raise _Damaged(f"has a malformed header (missing {err})") from err
+    if not ok:
+        raise _Damaged("has a malformed header")
+
+
+def ensure_shard_index(
+    url: str,
+    tokenizer: TextTokenizer,
+    settings: IndexSettings,
+    index_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    say: Callable[[str], None] | None = print,
+) -> tuple[LoadedShardIndex, bool]:
+    """The index of shard ``url``, read, or built and written first: ``(index, built)``.
+
+    Built when there is none, when its shard changed since (size, modification time) or when the file is damaged
+    (each said through ``say``, naming the shard); refused with :class:`IndexMismatchError` when the file under this
+    tokenizer's and these settings' name was built for another tokenizer or other settings (copied or renamed by
+    hand: it is not overwritten), unless ``force``.
+    """
+    digest = settings.digest(tokenizer)
+    path = index_path(url, digest, index_dir)
+    stat = os.stat(url) if os.path.isfile(url) else None
+    reason = None
+    if force:
+        reason = "rebuilt (force)"
+    elif not os.path.lexists(path):
+        reason = None if stat is None else ""  # (no index yet: built without a word)
+    else:
+        try:
+            header, samples = _read_index(path)
+            _validate_header(header, path)
+        except _Damaged as err:
+            reason = f"its index {str(path)!r} {err}: rebuilt"
+        else:
+            if header["tokenizer"] != tokenizer.digest:
+                raise IndexMismatchError(
+                    f"shard {url!r}: its index {str(path)!r} was built for tokenizer {header['tokenizer']}, this run's "
+                    f"is {tokenizer.digest} ({tokenizer.source}); its caption token counts do not apply. Rebuild it "
+                    "(`lightning-mm index ... --tokenizer ... --force`, or delete it); each tokenizer's indexes have "
+                    "names of their own"
+                )
+            if header["settings"] != settings.as_dict():
+                changed = sorted(k for k, v in settings.as_dict().items() if header["settings"].get(k) != v)
+                raise IndexMismatchError(
+                    f"shard {url!r}: its index {str(path)!r} was built with other decode settings ({changed}: "
+                    f"{ {k: header['settings'].get(k) for k in changed} }, this run "
+                    f"{ {k: settings.as_dict()[k] for k in changed} }). Rebuild it (`lightning-mm index ... --force`, "
+                    "or delete it); each setting's indexes have names of their own"
+                )
+            if stat is not None and {k: header["shard"].get(k) for k in ("size", "mtime_ns")} == _identity(stat):
+                return LoadedShardIndex(url, path, header, samples), False
+            if stat is not None:
+                reason = f"changed since its index was built ({header['shard']} -> {_identity(stat)}): rebuilt"
+    if stat is None:
+        # Nothing to index: the build records the shard as missing (counted like any skip), nothing is written.
+        header, samples = build_shard_index(url, tokenizer, settings)
+        return LoadedShardIndex(url, path, header, samples), True
+    header, samples = build_shard_index(url, tokenizer, settings)
+    if header["shard"]["size"] != stat.st_size or header["shard"]["mtime_ns"] != stat.st_mtime_ns:
+        raise RuntimeError(f"shard {url!r} changed while it was being indexed; index it again once it is complete")
+    if reason and say is not None:
+        say(f"data: shard {url!r} {reason}")
+    path = index_path(url, digest, index_dir, for_writing=True)
+    _write_index(path, header, samples)
+    return LoadedShardIndex(url, path, header, samples), True
+
+
+def _patch_counts(
+    height: np.ndarray, width: np.ndarray, has_image: np.ndarray, patch_size: int, cap: int
+) -> np.ndarray:
+    """``(n,)`` int64 patches of every image on its grid (``stages.patch_grid``, evaluated once per distinct size)."""
+    from lightning_mm.datamodules.stages import patch_grid
+
+    sizes = (height.astype(np.int64) << 16) | width.astype(np.int64)
+    distinct, inverse = np.unique(np.where(has_image, sizes, -1), return_inverse=True)
+    patches = np.array(
+        [0 if s < 0 else int(np.prod(patch_grid(int(s >> 16), int(s & 0xFFFF), patch_size, cap))) for s in distinct],
+        dtype=np.int64,
+    )
+    return patches[inverse.reshape(-1)]
+
+
+class SampleLengths(Sequence):
+    """``(patches, tokens)`` of every sample of a split as two ``(n,)`` int64 arrays; ``lengths[i]`` is a tuple of
+    Python ints (what the regroup stages read)."""
+
+    def __init__(self, patches: np.ndarray, tokens: np.ndarray) -> None:
+        self.patches, self.tokens = patches, tokens
+
+    def __len__(self) -> int:
+        return len(self.patches)
+
+    def __getitem__(self, index):  # (int -> tuple; a slice -> a list, as for the list it stands for)
+        if isinstance(index, slice):
+            return list(zip(self.patches[index].tolist(), self.tokens[index].tolist(), strict=True))
+        return int(self.patches[index]), int(self.tokens[index])
+
+    def __iter__(self):
+        return zip(self.patches.tolist(), self.tokens.tolist(), strict=True)
+
+
+class SampleTable:
+    """The indexed samples of one split, shard after shard: ``samples`` ``(n,)`` of :data:`SAMPLE_DTYPE`, and
+    O(shards) Python objects (``urls``, ``starts``). Sample ``i`` is sample ``i - starts[s]`` of shard ``urls[s]``.
+    Pickles as its arrays (DataLoader workers forked from the rank share its pages)."""
+
+    def __init__(self, urls: list[str], counts: Sequence[int], samples: np.ndarray, overflow: dict[int, tuple]) -> None:
+        self.urls = urls
+        self.starts = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
+        self.samples = samples
+        self.overflow = overflow
+        """Global sample index -> ``(caption offset, caption size)`` where the compact fields do not hold them."""
+
+    @classmethod
+    def from_indexes(cls, indexes: Sequence[LoadedShardIndex]) -> SampleTable:
+        counts = [len(index.samples) for index in indexes]
+        samples = np.concatenate([index.samples for index in indexes]) if indexes else np.zeros(0, SAMPLE_DTYPE)
+        overflow, start = {}, 0
+        for index, count in zip(indexes, counts, strict=True):
+            for row, offset, size in index.header["overflow"]:
+                overflow[start + int(row)] = (int(offset), int(size))
+            start += count
+        return cls([index.url for index in indexes], counts, samples, overflow)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def counts(self) -> dict[str, int]:
+        """Shard URL -> samples."""
+        return dict(zip(self.urls, np.diff(self.starts).tolist(), strict=True))
+
+    @property
+    def has_image(self) -> np.ndarray:
+        return self.samples["image_size"] > 0
+
+    @property
+    def width(self) -> np.ndarray:
+        return self.samples["width"].astype(np.int64)
+
+    @property
+    def height(self) -> np.ndarray:
+        return self.samples["height"].astype(np.int64)
+
+    @property
+    def caption_tokens(self) -> np.ndarray:
+        """``(n,)`` int64 tokens of each caption (no BOS / EOS; saturating at 32767)."""
+        return (self.samples["tokens"] & _TOKENS_MAX).astype(np.int64)
+
+    def lengths(self, patch_size: int, max_patches_per_image: int, max_text_tokens: int) -> SampleLengths:
+        """Every sample's ``(patches, tokens)``: patches on its grid under the cap, tokens with BOS / EOS, cut at
+        ``max_text_tokens``."""
+        patches = _patch_counts(self.height, self.width, self.has_image, patch_size, max_patches_per_image)
+        return SampleLengths(patches, np.minimum(self.caption_tokens + 2, max_text_tokens))
+
+    def subset(self, keep: np.ndarray) -> SampleTable:
+        """The samples ``keep`` (sorted indices), renumbered."""
+        keep = np.asarray(keep, dtype=np.int64)
+        shard = np.searchsorted(self.starts, keep, side="right") - 1
+        counts = np.bincount(shard, minlength=len(self.urls))
+        position = {int(old): new for new, old in enumerate(keep.tolist()) if int(old) in self.overflow}
+        return SampleTable(
+            self.urls, counts, self.samples[keep], {new: self.overflow[old] for old, new in position.items()}
+        )
+
+    def locate(self, index: int) -> tuple[str, int]:
+        """``(shard URL, position among its indexed samples)`` of sample ``index``."""
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return self.urls[shard], index - int(self.starts[shard])
+
+    def key(self, index: int) -> str:
+        """The webdataset key of sample ``index`` (see :meth:`read`)."""
+        url, position = self.locate(index)
+        try:
+            with open(url, "rb") as raw:
+                return self._key(raw.fileno(), index, position)
+        except OSError:
+            return f"#{position}"
+
+    def _key(self, fd: int, index: int, position: int) -> str:
+        """From the tar header of the caption member, as it spells the name (at most 255 characters); ``#<position>``
+        when that header cannot be read."""
+        offset = self._caption_location(index)[0]
+        try:
+            block = os.pread(fd, tarfile.BLOCKSIZE, offset - tarfile.BLOCKSIZE)
+            name = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name
+        except (OSError, tarfile.TarError, ValueError):
+            return f"#{position}"
+        split = sample_key(name)
+        return split[0] if split is not None else f"#{position}"
+
+    def _caption_location(self, index: int) -> tuple[int, int]:
+        sample = self.samples[index]
+        if int(sample["caption_size"]) == _SEE_OVERFLOW:
+            return self.overflow[index]
+        return int(sample["image_offset"]) + int(sample["caption_delta"]), int(sample["caption_size"])
+
+    def read(self, index: int) -> tuple[str, bytes | None, str | None, str, str]:
+        """Sample ``index`` from its shard: ``(key, image bytes or None, caption, kind, detail)``; without a caption
+        (the shard changed since it was indexed), ``kind`` / ``detail`` say why, as ``decode.caption_from_bytes``
+        does. Raises OSError naming the shard when fewer bytes than indexed could be read. The key comes from the
+        caption member's tar header (:meth:`_key`), one 512-byte read beside the caption."""
+        url, position = self.locate(index)
+        sample = self.samples[index]
+        caption_offset, caption_size = self._caption_location(index)
+        is_json = bool(int(sample["tokens"]) & _JSON_CAPTION)
+        with open(url, "rb") as raw:
+            fd = raw.fileno()
+            key = self._key(fd, index, position)
+            image = None
+            if int(sample["image_size"]):
+                image = _pread_exactly(fd, int(sample["image_size"]), int(sample["image_offset"]), url)
+            data = _pread_exactly(fd, min(caption_size, _MAX_CAPTION_BYTES), caption_offset, url)
+        source = "json" if is_json else "caption file"
+        caption, kind, detail = caption_from_bytes(data, source, is_json, caption_size > _MAX_CAPTION_BYTES)
+        return key, image, caption, kind, detail
+
+
+def _pread_exactly(fd: int, size: int, offset: int, url: str) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise OSError(
+            f"shard {url!r}: {size} bytes expected at offset {offset}, {len(data)} read; the shard changed since it "
+            "was indexed"
+        )
+    return data
