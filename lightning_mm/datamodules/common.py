@@ -43,7 +43,13 @@ def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -
     expanded: list[str] = []
     for pattern in patterns:
         for url in braceexpand(pattern):
-            matches = sorted(glob.glob(url)) if any(c in url for c in "*?[") else [url]
+            wild = any(c in url for c in "*?[")
+            if wild and "://" in url:
+                raise ValueError(
+                    f"{argument}: {url!r}: wildcards in remote URLs are not expanded (listing a bucket per run is slow "
+                    "and racy); list the shards or use a brace range (train-{000000..000127}.tar)"
+                )
+            matches = sorted(glob.glob(url)) if wild else [url]
             if not matches:
                 where = f" (from {pattern!r})" if url != pattern else ""
                 raise ValueError(f"{argument}: the pattern {url!r}{where} matches no file")
@@ -53,7 +59,7 @@ def expand_urls(urls: str | list[str], argument: str, must_exist: bool = True) -
     # (A shard the user names may be a link, e.g. into the Hugging Face hub cache's blobs: the user chose it. The
     # entries of a manifest are held to their directory instead: load_manifest.)
     refuse_repeated(expanded, argument)
-    missing = [u for u in expanded if not os.path.isfile(u)]
+    missing = [u for u in expanded if "://" not in u and not os.path.isfile(u)]
     if missing and must_exist:
         raise FileNotFoundError(f"{argument}: shard {missing[0]!r} does not exist ({len(missing)} missing)")
     return expanded
@@ -77,6 +83,8 @@ def refuse_repeated(shards: list[str], argument: str) -> None:
 def shard_identity(url: str) -> tuple[int, int] | str:
     """What makes two listed paths the same shard: its device and inode (through links, hard links and case
     variants), or for a missing file its absolute path (the caller's error policy decides about it)."""
+    if "://" in url:
+        return url  # (a remote shard: its URL)
     try:
         stat = os.stat(url)
     except OSError:

@@ -19,7 +19,7 @@ from lightning_mm.datamodules.decode import BadSampleError, ErrorLog, load_rgb_i
 from lightning_mm.datamodules.epoch_schedule import EpochPlan, EpochSchedule, SplitConfig
 from lightning_mm.datamodules.regroup import collate_packed
 from lightning_mm.datamodules.shard_index import SampleLengths, SampleTable
-from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patchify
+from lightning_mm.datamodules.stages import PatchedSample, TextTokenizer, collate_one_per_row, patch_grid, patchify
 
 __all__: list[str] = []  # (private: built by ImageTextWebDataModule)
 
@@ -103,10 +103,16 @@ class _PlannedSplit(IterableDataset):
         if image_bytes is None:
             patches, positions = torch.zeros(0, 3 * cfg.patch_size**2), torch.zeros(0, 2, dtype=torch.long)
         else:
-            image = load_rgb_image(image_bytes, url, key, errors, cfg.max_image_pixels)
+            # The grid is planned from the header size in the index: a JPEG is decoded straight at the smallest DCT
+            # scale that still covers it (draft), then resized to it, never decoded whole to be shrunk.
+            sample = table.samples[index]
+            height, width = int(sample["height"]), int(sample["width"])
+            rows, cols = patch_grid(height, width, cfg.patch_size, cap)
+            draft = (cols * cfg.patch_size, rows * cfg.patch_size)
+            image = load_rgb_image(image_bytes, url, key, errors, cfg.max_image_pixels, draft=draft)
             if image is None:  # corrupt body behind a valid header: skipped and counted
                 return None
-            patches, positions = patchify(image, cfg.patch_size, cap)
+            patches, positions = patchify(image, cfg.patch_size, cap, grid=(rows, cols))
         try:
             # Never longer than planned: the plan's count (the index's) is what the batch was packed with.
             planned = self.schedule.lengths[index][1]

@@ -46,6 +46,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import posixpath
 import struct
 import tarfile
 import zlib
@@ -68,6 +69,7 @@ from lightning_mm.datamodules.decode import (
     caption_from_bytes,
     scan_shard,
 )
+from lightning_mm.datamodules.shard_io import is_remote, open_shard, read_ranges, shard_version
 from lightning_mm.datamodules.stages import TextTokenizer
 from lightning_mm.datamodules.tar_members import sample_key
 
@@ -168,7 +170,7 @@ def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSetting
     """Scan one shard (:func:`~lightning_mm.datamodules.decode.scan_shard`), count its captions' tokens and return
     ``(header, samples)``: the index as :func:`ensure_shard_index` writes it (``samples``: ``(n,)`` of
     :data:`SAMPLE_DTYPE`). Never raises for bad data: every problem is counted in the header."""
-    stat = os.stat(url) if os.path.isfile(url) else None
+    version = shard_version(url)
     log = _RecordingLog()
     # (no pixel limit here: IndexSettings says why; PIL's own decompression-bomb guard still refuses a header)
     scan = scan_shard(url, log, settings.image_keys, settings.text_keys, None, settings.require_images)
@@ -212,7 +214,7 @@ def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSetting
     errors = {kind: n for kind, n in log.by_shard.get(url, {}).items() if n}
     header = {
         "version": INDEX_VERSION,
-        "shard": {"name": os.path.basename(url), **_identity(stat)},
+        "shard": {"name": os.path.basename(url), **_identity(version)},
         "tokenizer": tokenizer.digest,
         "settings": settings.as_dict(),
         "samples": int(row),
@@ -234,9 +236,10 @@ def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSetting
     return header, samples
 
 
-def _identity(stat: os.stat_result | None) -> dict[str, int]:
-    """What says a shard is the one an index was built from (a rewrite changes its size or modification time)."""
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns} if stat is not None else {"size": -1, "mtime_ns": -1}
+def _identity(version: dict[str, Any] | None) -> dict[str, Any]:
+    """What says a shard is the one an index was built from (a rewrite changes its size or version:
+    ``shard_io.shard_version``)."""
+    return dict(version) if version is not None else {"size": -1, "version": None}
 
 
 def _cache_root() -> Path:
@@ -244,26 +247,32 @@ def _cache_root() -> Path:
     return Path(base) / "lightning-mm" / "index"
 
 
-def index_path(url: str, digest: str, index_dir: str | os.PathLike | None = None, for_writing: bool = False) -> Path:
+def index_path(url: str, digest: str, index_dir: str | os.PathLike | None = None, for_writing: bool = False) -> str:
     """Where the index of shard ``url`` for ``digest`` (:meth:`IndexSettings.digest`) lies:
     ``<shard>.<digest>.lmm-index`` in ``index_dir`` (given), else beside the shard, else (the shard's directory is
-    not writable) in the user's cache. ``for_writing=False`` prefers an existing file beside the shard or in the
-    cache, in that order."""
-    absolute = os.path.abspath(url)
-    name = f"{os.path.basename(absolute)}.{digest}{INDEX_SUFFIX}"
+    not writable, or the shard is remote) in the user's cache. ``for_writing=False`` prefers an existing file beside
+    the shard (a remote one too: indexes built once and uploaded with the shards) or in the cache, in that order."""
+    remote = is_remote(url)
+    absolute = url if remote else os.path.abspath(url)
+    name = f"{posixpath.basename(absolute) if remote else os.path.basename(absolute)}.{digest}{INDEX_SUFFIX}"
     keyed = f"{hashlib.sha256(absolute.encode('utf-8', 'surrogateescape')).hexdigest()[:16]}-{name}"
     if index_dir is not None:
-        return Path(index_dir) / keyed
-    beside, cached = Path(os.path.join(os.path.dirname(absolute), name)), _cache_root() / keyed
+        return os.path.join(index_dir, keyed)
+    beside = f"{absolute}.{digest}{INDEX_SUFFIX}"
+    cached = str(_cache_root() / keyed)
     if not for_writing:
-        for path in (beside, cached):
-            if os.path.lexists(path):
-                return path
+        if (shard_version(beside) is not None) if remote else os.path.lexists(beside):
+            return beside
+        if os.path.lexists(cached):
+            return cached
+    if remote:
+        return cached  # (never written into the user's bucket or server)
     return beside if os.access(os.path.dirname(absolute), os.W_OK) else cached
 
 
-def _write_index(path: Path, header: dict[str, Any], samples: np.ndarray) -> None:
+def _write_index(path: str, header: dict[str, Any], samples: np.ndarray) -> None:
     """Write atomically: a temporary sibling, fsync, ``os.replace``, fsync of the directory."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = json.dumps(header, sort_keys=True).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -288,14 +297,17 @@ class _Damaged(Exception):
     """An index file that cannot be used as it is (rebuilt): the reason."""
 
 
-def _read_index(path: Path) -> tuple[dict[str, Any], np.ndarray]:
-    """``(header, samples)`` of an index file; :class:`_Damaged` when its bytes are not a whole index. The file itself
-    is never read through a link (``O_NOFOLLOW``)."""
+def _read_index(path: str) -> tuple[dict[str, Any], np.ndarray]:
+    """``(header, samples)`` of an index file; :class:`_Damaged` when its bytes are not a whole index. A local file is
+    never read through a link (``O_NOFOLLOW``); a remote one (beside remote shards) is read through fsspec."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        if is_remote(path):
+            raw = open_shard(path)
+        else:
+            raw = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb")
     except OSError as err:
-        raise _Damaged(f"cannot be opened ({err.strerror})") from err
-    with os.fdopen(fd, "rb") as raw:
+        raise _Damaged(f"cannot be opened ({err.strerror or err})") from err
+    with raw:
         head = raw.read(len(_MAGIC) + 4)
         if len(head) < len(_MAGIC) + 4 or head[: len(_MAGIC)] != _MAGIC:
             raise _Damaged("is not a lightning-mm index (bad magic bytes)")
@@ -329,7 +341,7 @@ class LoadedShardIndex:
     """One shard's index, read back: ``samples`` ``(n,)`` of :data:`SAMPLE_DTYPE` and its header."""
 
     url: str
-    path: Path
+    path: str
     header: dict[str, Any]
     samples: np.ndarray
 
@@ -402,11 +414,11 @@ def ensure_shard_index(
     """
     digest = settings.digest(tokenizer)
     path = index_path(url, digest, index_dir)
-    stat = os.stat(url) if os.path.isfile(url) else None
+    stat = shard_version(url)
     reason = None
     if force:
         reason = "rebuilt (force)"
-    elif not os.path.lexists(path):
+    elif not ((shard_version(path) is not None) if is_remote(path) else os.path.lexists(path)):
         reason = None if stat is None else ""  # (no index yet: built without a word)
     else:
         try:
@@ -430,7 +442,7 @@ def ensure_shard_index(
                     f"{ {k: settings.as_dict()[k] for k in changed} }). Rebuild it (`lightning-mm index ... --force`, "
                     "or delete it); each setting's indexes have names of their own"
                 )
-            if stat is not None and {k: header["shard"].get(k) for k in ("size", "mtime_ns")} == _identity(stat):
+            if stat is not None and {k: header["shard"].get(k) for k in ("size", "version")} == _identity(stat):
                 return LoadedShardIndex(url, path, header, samples), False
             if stat is not None:
                 reason = f"changed since its index was built ({header['shard']} -> {_identity(stat)}): rebuilt"
@@ -439,7 +451,7 @@ def ensure_shard_index(
         header, samples = build_shard_index(url, tokenizer, settings)
         return LoadedShardIndex(url, path, header, samples), True
     header, samples = build_shard_index(url, tokenizer, settings)
-    if header["shard"]["size"] != stat.st_size or header["shard"]["mtime_ns"] != stat.st_mtime_ns:
+    if {k: header["shard"].get(k) for k in ("size", "version")} != _identity(stat):
         raise RuntimeError(f"shard {url!r} changed while it was being indexed; index it again once it is complete")
     if reason and say is not None:
         say(f"data: shard {url!r} {reason}")
@@ -552,24 +564,11 @@ class SampleTable:
 
     def key(self, index: int) -> str:
         """The webdataset key of sample ``index`` (see :meth:`read`)."""
-        url, position = self.locate(index)
+        _, position = self.locate(index)
         try:
-            with open(url, "rb") as raw:
-                return self._key(raw.fileno(), index, position)
+            return self.read(index)[0]
         except OSError:
             return f"#{position}"
-
-    def _key(self, fd: int, index: int, position: int) -> str:
-        """From the tar header of the caption member, as it spells the name (at most 255 characters); ``#<position>``
-        when that header cannot be read."""
-        offset = self._caption_location(index)[0]
-        try:
-            block = os.pread(fd, tarfile.BLOCKSIZE, offset - tarfile.BLOCKSIZE)
-            name = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name
-        except (OSError, tarfile.TarError, ValueError):
-            return f"#{position}"
-        split = sample_key(name)
-        return split[0] if split is not None else f"#{position}"
 
     def _caption_location(self, index: int) -> tuple[int, int]:
         sample = self.samples[index]
@@ -580,29 +579,27 @@ class SampleTable:
     def read(self, index: int) -> tuple[str, bytes | None, str | None, str, str]:
         """Sample ``index`` from its shard: ``(key, image bytes or None, caption, kind, detail)``; without a caption
         (the shard changed since it was indexed), ``kind`` / ``detail`` say why, as ``decode.caption_from_bytes``
-        does. Raises OSError naming the shard when fewer bytes than indexed could be read. The key comes from the
-        caption member's tar header (:meth:`_key`), one 512-byte read beside the caption."""
+        does. One read (a range request for a remote shard) when the image and the caption lie close. Raises OSError
+        naming the shard when fewer bytes than indexed could be read.
+
+        The key comes from the tar header of the caption member, the 512 bytes before its data, as that header spells
+        the name (at most 255 characters); ``#<position>`` when it cannot be parsed."""
         url, position = self.locate(index)
         sample = self.samples[index]
         caption_offset, caption_size = self._caption_location(index)
         is_json = bool(int(sample["tokens"]) & _JSON_CAPTION)
-        with open(url, "rb") as raw:
-            fd = raw.fileno()
-            key = self._key(fd, index, position)
-            image = None
-            if int(sample["image_size"]):
-                image = _pread_exactly(fd, int(sample["image_size"]), int(sample["image_offset"]), url)
-            data = _pread_exactly(fd, min(caption_size, _MAX_CAPTION_BYTES), caption_offset, url)
+        header_offset = caption_offset - tarfile.BLOCKSIZE
+        ranges = [(header_offset, tarfile.BLOCKSIZE + min(caption_size, _MAX_CAPTION_BYTES))]
+        if int(sample["image_size"]):
+            ranges.append((int(sample["image_offset"]), int(sample["image_size"])))
+        blobs = read_ranges(url, ranges)
+        block, data = blobs[0][: tarfile.BLOCKSIZE], blobs[0][tarfile.BLOCKSIZE :]
+        try:
+            split = sample_key(tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name)
+        except (tarfile.TarError, ValueError):
+            split = None
+        key = split[0] if split is not None else f"#{position}"
+        image = blobs[1] if len(blobs) > 1 else None
         source = "json" if is_json else "caption file"
         caption, kind, detail = caption_from_bytes(data, source, is_json, caption_size > _MAX_CAPTION_BYTES)
         return key, image, caption, kind, detail
-
-
-def _pread_exactly(fd: int, size: int, offset: int, url: str) -> bytes:
-    data = os.pread(fd, size, offset)
-    if len(data) != size:
-        raise OSError(
-            f"shard {url!r}: {size} bytes expected at offset {offset}, {len(data)} read; the shard changed since it "
-            "was indexed"
-        )
-    return data

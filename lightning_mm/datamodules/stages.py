@@ -52,14 +52,19 @@ def patch_grid(height: int, width: int, patch_size: int, max_patches: int) -> tu
     return rows, cols
 
 
-def patchify(image: Image.Image, patch_size: int, max_patches: int) -> tuple[torch.Tensor, torch.Tensor]:
+def patchify(
+    image: Image.Image, patch_size: int, max_patches: int, grid: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Resize ``image`` onto its patch grid and cut it into patches.
+
+    ``grid``: ``(rows, cols)`` to use instead of the image's own :func:`patch_grid` (the grid planned from the
+    image's header size, when the image was decoded at a reduced scale: ``load_rgb_image(draft=...)``).
 
     Returns:
         patches: ``(rows*cols, 3*P*P)`` float in [-1, 1], row-major over the grid, channel-major inside a patch.
         positions: ``(rows*cols, 2)`` long ``(row, col)`` of each patch.
     """
-    rows, cols = patch_grid(image.height, image.width, patch_size, max_patches)
+    rows, cols = grid if grid is not None else patch_grid(image.height, image.width, patch_size, max_patches)
     # (convert() of an RGB image is a full copy: 4 more bytes per pixel of the decoded image, for nothing)
     rgb = image if image.mode == "RGB" else image.convert("RGB")
     resized = rgb.resize((cols * patch_size, rows * patch_size), Image.Resampling.BICUBIC)

@@ -4,7 +4,6 @@ whether data follows the end-of-archive block, and the digest of a member's head
 
 from __future__ import annotations
 
-import os
 import posixpath
 import re
 import tarfile
@@ -27,16 +26,19 @@ def sample_key(name: str) -> tuple[str, str] | None:
     return match.group(1), match.group(2).lower()
 
 
-def member_digest(digest, fd: int, info: tarfile.TarInfo, sample: int = 4096) -> None:
-    """Add one member's header fields and the first / last ``sample`` bytes of its data to ``digest``."""
+def member_digest(digest, raw: BinaryIO, info: tarfile.TarInfo, sample: int = 4096) -> None:
+    """Add one member's header fields and the first / last ``sample`` bytes of its data to ``digest``. ``raw``: the
+    shard, seekable (its position is left where the reads end: tarfile seeks to its next header itself)."""
     digest.update(f"{info.name}\0{info.size}\0{info.mtime}\0{info.type!r}\n".encode("utf-8", "surrogateescape"))
     if info.islnk() or info.issym():  # (what a hard link reads, or whether a symlink is skipped, depends on it)
         digest.update(f"{info.linkname}\n".encode("utf-8", "surrogateescape"))
     if info.isreg() and info.size:
-        digest.update(os.pread(fd, min(info.size, sample), info.offset_data))
+        raw.seek(info.offset_data)
+        digest.update(raw.read(min(info.size, sample)))
         if info.size > sample:
             tail = min(sample, info.size - sample)
-            digest.update(os.pread(fd, tail, info.offset_data + info.size - tail))
+            raw.seek(info.offset_data + info.size - tail)
+            digest.update(raw.read(tail))
 
 
 def first_nonzero_byte(raw: BinaryIO, start: int, chunk: int = 1 << 20) -> int | None:

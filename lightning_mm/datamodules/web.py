@@ -29,7 +29,10 @@ batches are skipped without being read.
 Ranks that differ only in tensor / pipeline / expert coordinates receive identical batches: the plan
 depends on the data-parallel rank and size only, taken from the strategy's mesh when it has one.
 
-Remote URLs (``pipe:``, ``http://``, ``s3://``) are not supported: planning needs random access.
+Remote shards: any fsspec URL (``s3://``, ``gs://``, ``https://``, ...) is read with byte-range requests
+(``shard_io.py``): once front to back to index it, then one range per planned sample; the index goes to the cache
+(or ``index_dir``), or is read from beside the shards when it was uploaded with them. ``pipe:`` URLs are refused:
+planning needs random access.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from pathlib import Path
+import posixpath
 from typing import Any, Literal
 
 import lightning as L
@@ -76,6 +79,7 @@ from lightning_mm.datamodules.shard_index import (
     SampleTable,
     ensure_shard_index,
 )
+from lightning_mm.datamodules.shard_io import shard_version
 from lightning_mm.datamodules.stages import TextTokenizer
 from lightning_mm.validation import require_int
 
@@ -417,14 +421,15 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
             urls = {"train": hp.train_urls, "val": hp.val_urls}
             for split, value in urls.items():
                 for url in [value] if isinstance(value, str) else value:
-                    if "://" in url or url.startswith("pipe:"):
+                    if url.startswith("pipe:"):
                         raise ValueError(
-                            f"{split}_urls: {url!r} is remote; ImageTextWebDataModule plans batches "
-                            "from an index and needs local (or mounted) shards"
+                            f"{split}_urls: {url!r} is a pipe; ImageTextWebDataModule plans batches from an index "
+                            "and reads samples by byte ranges: give a local path or an fsspec URL (s3://, gs://, "
+                            "https://, ...)"
                         )
             expanded = {split: expand_urls(value, f"{split}_urls", must_exist=False) for split, value in urls.items()}
             for split, listed in expanded.items():
-                missing = [url for url in listed if not Path(url).is_file()]
+                missing = [url for url in listed if shard_version(url) is None]
                 if missing:
                     # A listed shard that is not there would silently shrink the data, whatever on_error says.
                     raise FileNotFoundError(
@@ -587,7 +592,10 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         """What the saved stream position depends on: the train shards (names and sizes), their content, the plan
         settings and what decoding makes of a sample (:func:`_fingerprint_changes` compares two)."""
         shards, _ = self._sources()
-        listing = [[Path(u).name, Path(u).stat().st_size if Path(u).is_file() else -1] for u in shards["train"]]
+        versions = [shard_version(u) for u in shards["train"]]
+        listing = [
+            [posixpath.basename(u), v["size"] if v else -1] for u, v in zip(shards["train"], versions, strict=True)
+        ]
         # The position counts global batches of this plan, whatever the number of data-parallel ranks.
         plan = self.regroup_config()
         self._index("train")  # (the content digests are taken while indexing: no extra pass over the shards)
@@ -598,7 +606,7 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
             "plan_config": plan,
             # One digest over every shard's (decode.ShardIndex.digest), and a short one per shard to name a change.
             "content": self._digest(digests),
-            "shard_content": [[Path(u).name, d[:16]] for u, d in zip(shards["train"], digests, strict=True)],
+            "shard_content": [[posixpath.basename(u), d[:16]] for u, d in zip(shards["train"], digests, strict=True)],
             "decode": self._decode_settings(),
         }
 

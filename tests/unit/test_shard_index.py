@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ def test_an_index_holds_24_bytes_a_sample_and_reads_back_what_a_scan_finds(tmp_p
     ]
     url = _write(tmp_path / "a-000000.tar", samples)
     index, built = ensure_shard_index(url, tokenizer, IndexSettings(), say=None)
-    assert built and index.path.parent == tmp_path and index.path.name.endswith(".lmm-index")
+    assert built and Path(index.path).parent == tmp_path and index.path.endswith(".lmm-index")
     assert SAMPLE_DTYPE.itemsize == 24 and len(index.samples) == 8
     header_bytes = os.path.getsize(index.path) - 24 * len(index.samples)
     assert 0 < header_bytes < 4096  # (no per-sample data outside the array)
@@ -122,7 +123,7 @@ def test_a_damaged_index_is_rebuilt_naming_the_shard(tmp_path, tokenizer, damage
     url = _write(tmp_path / "c-000000.tar", _samples(0, 4))
     index, _ = ensure_shard_index(url, tokenizer, IndexSettings(), say=None)
     expected = index.samples.copy()
-    index.path.write_bytes(damage(index.path.read_bytes()))
+    Path(index.path).write_bytes(damage(Path(index.path).read_bytes()))
     said: list[str] = []
     rebuilt, built = ensure_shard_index(url, tokenizer, IndexSettings(), say=said.append)
     assert built and np.array_equal(rebuilt.samples, expected)
@@ -148,7 +149,7 @@ def test_an_index_goes_to_the_cache_when_the_shard_directory_is_read_only(tmp_pa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr("lightning_mm.datamodules.shard_index.os.access", lambda path, mode: False)
     index, _ = ensure_shard_index(url, tokenizer, IndexSettings(), say=None)
-    assert index.path.is_relative_to(tmp_path / "cache" / "lightning-mm" / "index")
+    assert Path(index.path).is_relative_to(tmp_path / "cache" / "lightning-mm" / "index")
     assert index_path(url, IndexSettings().digest(tokenizer)) == index.path  # found there next time
     assert not ensure_shard_index(url, tokenizer, IndexSettings(), say=None)[1]
 
