@@ -115,15 +115,16 @@ def main() -> None:
             timings: dict[str, list[float]] = {"plain": [], "lightning_mm": []}
             for _ in range(args.repeats):
                 for name, run in (
-                    ("plain", lambda: plain_loop(shards, tokenizer, cap)),
-                    ("lightning_mm", lambda: datamodule_pass(shards, tokenizer_path, cap)),
+                    ("plain", lambda cap=cap: plain_loop(shards, tokenizer, cap)),
+                    ("lightning_mm", lambda cap=cap: datamodule_pass(shards, tokenizer_path, cap)),
                 ):
                     start = time.perf_counter()
                     count = run()
                     timings[name].append(count / (time.perf_counter() - start))
             plain, ours = statistics.median(timings["plain"]), statistics.median(timings["lightning_mm"])
             rows.append({"max_patches_per_image": cap, "plain": plain, "lightning_mm": ours, "ratio": ours / plain})
-            print(f"cap {cap:>4}: plain {plain:7.0f} samples/s, lightning-mm {ours:7.0f} samples/s, {ours / plain:.2f}x")
+            ratio = ours / plain
+            print(f"cap {cap:>4}: plain {plain:7.0f} samples/s, lightning-mm {ours:7.0f} samples/s, {ratio:.2f}x")
     result = {
         "machine": {
             "cpus": os.cpu_count(),

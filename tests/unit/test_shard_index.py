@@ -43,7 +43,9 @@ def _write(path, samples: list[dict]) -> str:
 
 
 def _samples(start: int, count: int) -> list[dict]:
-    return [{"__key__": f"s{i:06d}", "png": _png(i), "txt": f"a picture number {i}"} for i in range(start, start + count)]
+    return [
+        {"__key__": f"s{i:06d}", "png": _png(i), "txt": f"a picture number {i}"} for i in range(start, start + count)
+    ]
 
 
 @pytest.fixture(scope="module")
