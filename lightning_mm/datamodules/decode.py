@@ -24,10 +24,8 @@ skip; other non-regular members (directories, devices, fifos) are ignored. A cap
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import io
-import json
 import os
 import re
 import statistics
@@ -39,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from lightning_mm.datamodules.captions import _MAX_CAPTION_BYTES, caption_from_bytes
 from lightning_mm.datamodules.shard_io import is_remote, open_shard, shard_version
 from lightning_mm.datamodules.tar_members import (
     data_member,
@@ -109,10 +108,6 @@ NOTICE_KINDS: tuple[str, ...] = ("image_missing", "image_converted", "caption_tr
 """Counted but never errors: a text-only sample, a non-RGB image converted to RGB, a caption cut by the tokenizer, a
 caption file larger than ``_MAX_CAPTION_BYTES`` of which only the first MiB was read (the tokenizer may then cut it
 again: ``caption_truncated`` counts that)."""
-
-_MAX_CAPTION_BYTES = 1 << 20
-"""Most bytes read of a caption file: a 6 MB caption cost 2 GB downstream (tokenizing all of it), while the model
-sees at most ``max_text_tokens`` tokens (a few KiB of text)."""
 
 ON_ERROR_CHOICES = ("skip", "raise")
 
@@ -378,46 +373,6 @@ def _caption_of(
         return None, "caption_too_large", detail
     data = _read_at(raw, offset, min(size, _MAX_CAPTION_BYTES))
     return caption_from_bytes(data, source, text_key is None, capped, text_keys)
-
-
-def caption_from_bytes(
-    data: bytes, source: str, is_json: bool, capped: bool, text_keys: Sequence[str] = TEXT_KEYS
-) -> tuple[str | None, str, str]:
-    """A caption file's text, as :func:`index_shard` and the indexed loader (``shard_index``) read it:
-    ``(caption, kind, detail)`` as for ``_caption_of``. ``data``: the file's first ``_MAX_CAPTION_BYTES`` bytes;
-    ``is_json``: the ``"caption"`` field of a ``json`` file (``source`` names the file in messages); ``capped``:
-    the file is longer than ``data``."""
-    text_keys = tuple(text_keys)
-    try:
-        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the caption. Not final when
-        # capped: a character cut at the cap is left out (held back as incomplete), invalid bytes still raise.
-        text = codecs.getincrementaldecoder("utf-8-sig")().decode(data, final=not capped)
-    except UnicodeDecodeError as err:
-        return None, "caption_not_utf8", f"{source!r} is not UTF-8 ({err})"
-    if is_json:
-        try:
-            meta = json.loads(text)
-        except (ValueError, RecursionError) as err:
-            # ValueError: JSONDecodeError, and an integer of more than 4300 digits (Python's int-from-string
-            # limit); RecursionError: deeply nested arrays / objects. Either is this sample's problem only.
-            why = f"{type(err).__name__}: {str(err)[:200]}"
-            detail = f"'json' is not valid JSON ({why}) and there is no {list(text_keys)}"
-            return None, "json_without_caption", detail
-        text = meta.get("caption") if isinstance(meta, dict) else None
-        if not isinstance(text, str):
-            detail = f"'json' has no 'caption' string field and there is no {list(text_keys)}"
-            return None, "json_without_caption", detail
-        try:
-            # A JSON escape can spell a lone surrogate ("\\ud800"): a str that is not Unicode text, which every
-            # tokenizer (and any later encode) rejects. Refused here, per sample, not when the split is tokenized.
-            text.encode("utf-8")
-        except UnicodeEncodeError as err:
-            return None, "caption_not_utf8", f"the caption in 'json' holds a lone surrogate at character {err.start}"
-    text = text.strip()
-    if not text:
-        unread = f" in its first {_MAX_CAPTION_BYTES} bytes (the rest is not read)" if capped else ""
-        return None, "caption_missing", f"the caption in {source!r} is empty{unread}"
-    return text, "caption_capped" if capped else "", ""
 
 
 @dataclass

@@ -66,6 +66,7 @@ from lightning_mm.datamodules.decode import (
     TEXT_KEYS,
     ErrorLog,
     ShardIndex,
+    _too_large,
     caption_from_bytes,
     scan_shard,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "LoadedShardIndex",
     "SampleTable",
     "build_shard_index",
+    "drop_too_large",
     "ensure_shard_index",
     "index_path",
 ]
@@ -458,6 +460,23 @@ def ensure_shard_index(
     path = index_path(url, digest, index_dir, for_writing=True)
     _write_index(path, header, samples)
     return LoadedShardIndex(url, path, header, samples), True
+
+
+def drop_too_large(index: LoadedShardIndex, limit: int | None, errors: ErrorLog) -> LoadedShardIndex:
+    """``index`` less its images over ``limit`` pixels (``max_image_pixels``; the index keeps every size:
+    :class:`IndexSettings`), each an ``image_too_large`` skip of the shard reported to ``errors``, as a scan with the
+    limit would have counted it (under ``on_error="raise"`` the first raises)."""
+    if limit is None or not len(index.samples):
+        return index
+    drop = index.samples["width"].astype(np.int64) * index.samples["height"].astype(np.int64) > limit
+    count = int(np.count_nonzero(drop))
+    if not count:
+        return index
+    first = int(np.flatnonzero(drop)[0])
+    width, height = int(index.samples["width"][first]), int(index.samples["height"][first])
+    key = SampleTable.from_indexes([index]).key(first)
+    errors.error("image_too_large", index.url, key, _too_large(width, height, limit), samples=count)
+    return index.without(drop)
 
 
 def _patch_counts(

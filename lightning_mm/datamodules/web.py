@@ -65,7 +65,6 @@ from lightning_mm.datamodules.decode import (
     TEXT_KEYS,
     ErrorLog,
     ShardIndex,
-    _too_large,
     account_damaged_shards,
     check_image_pixels,
 )
@@ -77,6 +76,7 @@ from lightning_mm.datamodules.shard_index import (
     LoadedShardIndex,
     SampleLengths,
     SampleTable,
+    drop_too_large,
     ensure_shard_index,
 )
 from lightning_mm.datamodules.shard_io import shard_version
@@ -479,7 +479,7 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         scans: list[ShardIndex] = []
         for position, index in enumerate(indexes):
             index.replay(self.error_log)  # (the skips its build counted; under on_error="raise" the first raises)
-            indexes[position] = self._drop_too_large(index)
+            indexes[position] = drop_too_large(index, self.hparams.max_image_pixels, self.error_log)
             scan = index.scan()
             self._check_image_keys(split, scan, self._index_settings().image_keys)
             scans.append(scan)
@@ -519,23 +519,6 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         lengths = table.lengths(hp.patch_size, hp.max_patches_per_image, hp.max_text_tokens)
         self._splits[split] = (table, lengths)
         return self._splits[split]
-
-    def _drop_too_large(self, index: LoadedShardIndex) -> LoadedShardIndex:
-        """The index less its images over ``max_image_pixels`` (the index keeps every size: ``IndexSettings``), each
-        an ``image_too_large`` skip of the shard, as a scan with the limit would have counted it."""
-        limit = self.hparams.max_image_pixels
-        if limit is None or not len(index.samples):
-            return index
-        pixels = index.samples["width"].astype(np.int64) * index.samples["height"].astype(np.int64)
-        drop = pixels > limit
-        count = int(np.count_nonzero(drop))
-        if not count:
-            return index
-        first = int(np.flatnonzero(drop)[0])
-        width, height = int(index.samples["width"][first]), int(index.samples["height"][first])
-        key = SampleTable.from_indexes([index]).key(first)
-        self.error_log.error("image_too_large", index.url, key, _too_large(width, height, limit), samples=count)
-        return index.without(drop)
 
     def _count_short_shards(self, indexes: list[ShardIndex]) -> None:
         """An intact shard holding fewer samples than the dataset's manifest.json lists for it (rewritten or replaced
