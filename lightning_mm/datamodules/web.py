@@ -79,7 +79,7 @@ from lightning_mm.datamodules.shard_index import (
     drop_too_large,
     ensure_shard_index,
 )
-from lightning_mm.datamodules.shard_io import shard_version
+from lightning_mm.datamodules.shard_io import is_remote, shard_versions
 from lightning_mm.datamodules.stages import TextTokenizer
 from lightning_mm.validation import require_int
 
@@ -208,11 +208,11 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
             rest of the plan, so a resume replans the same. The dealing remainder (whole batches that would not give
             every data-parallel rank a step) depends on the number of ranks and is not carried: use
             ``epoch_policy="pad"`` to keep it.
-        index_dir: where the shard indexes live (:mod:`~lightning_mm.datamodules.shard_index`: 24 bytes per sample,
-            built once, on first use or by ``lightning-mm index``). None: beside each shard (``<shard>.lmm-index``),
-            or in ``~/.cache/lightning-mm/index`` where the shard's directory is not writable. An index built for
-            another tokenizer or other key / pixel settings is refused naming the shard: give another directory to
-            keep a second set.
+        index_dir: where the shard indexes are written (:mod:`~lightning_mm.datamodules.shard_index`: 24 bytes per
+            sample, built once, on first use or by ``lightning-mm index``). None: beside each shard
+            (``<shard>.<digest>.lmm-index``; the digest names the tokenizer and the key settings, so other ones get
+            indexes of their own), or in ``~/.cache/lightning-mm/index`` where the shard's directory is not writable
+            and for remote shards (whose indexes are also read from beside them when uploaded there).
 
     Every skipped sample is counted by kind and printed: after indexing each split, at the end of every epoch
     and when the run ends (with an example shard / key per kind), whatever callbacks are present.
@@ -429,12 +429,13 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
                         )
             expanded = {split: expand_urls(value, f"{split}_urls", must_exist=False) for split, value in urls.items()}
             for split, listed in expanded.items():
-                missing = [url for url in listed if shard_version(url) is None]
+                missing = [url for url, version in zip(listed, shard_versions(listed), strict=True) if version is None]
                 if missing:
                     # A listed shard that is not there would silently shrink the data, whatever on_error says.
+                    unreachable = " or unreachable" if any(is_remote(url) for url in missing) else ""
                     raise FileNotFoundError(
-                        f"{split}_urls: {len(missing)} of {len(listed)} listed shard(s) missing: {missing[:5]}"
-                        + (" ..." if len(missing) > 5 else "")
+                        f"{split}_urls: {len(missing)} of {len(listed)} listed shard(s) missing{unreachable}: "
+                        f"{missing[:5]}" + (" ..." if len(missing) > 5 else "")
                     )
             train = {shard_identity(url) for url in expanded["train"]}
             shared = [url for url in expanded["val"] if shard_identity(url) in train]
@@ -575,7 +576,7 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         """What the saved stream position depends on: the train shards (names and sizes), their content, the plan
         settings and what decoding makes of a sample (:func:`_fingerprint_changes` compares two)."""
         shards, _ = self._sources()
-        versions = [shard_version(u) for u in shards["train"]]
+        versions = shard_versions(shards["train"])
         listing = [
             [posixpath.basename(u), v["size"] if v else -1] for u, v in zip(shards["train"], versions, strict=True)
         ]

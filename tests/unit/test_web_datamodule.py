@@ -389,8 +389,10 @@ def test_argument_errors_name_the_argument(shards):
         _dm(shards, regroup="sorted")
     with pytest.raises(ValueError, match="max_patches_per_image"):
         _dm(shards, regroup="pack", max_patches_per_batch=32, rows_per_batch=4)
-    with pytest.raises(ValueError, match="remote"):
-        _dm(shards, train_urls="https://example.com/a.tar").prepare_data()
+    with pytest.raises(ValueError, match="is a pipe"):
+        _dm(shards, train_urls="pipe:curl -s https://example.com/a.tar").prepare_data()
+    with pytest.raises(FileNotFoundError, match=r"missing or unreachable: \['http://127.0.0.1:9/a.tar'\]"):
+        _dm(shards, train_urls="http://127.0.0.1:9/a.tar").prepare_data()  # (loopback, a closed port)
 
 
 class _SampleRecorder(L.Callback):
