@@ -3,7 +3,7 @@ to the first batch against the number of samples, the old code (per-sample recor
 start) and the new (shard indexes, built once) side by side, plus the index build rate.
 
     .venv/bin/python benchmarks/data_scale.py                      # 10k, 30k, 100k samples (~6 min on 2 cores)
-    .venv/bin/python benchmarks/data_scale.py --sizes 10000 1000000 --old none
+    .venv/bin/python benchmarks/data_scale.py --sizes 1000 10000 100000 1000000   # the old code up to --old-max
 
 Shards hold 10,000 samples each, as img2dataset writes them: a small JPEG with a real header (sizes 64-512 px per
 side) and a 5-40-word caption. Each measurement is a fresh process (one rank, ``num_workers=2``, ``regroup="pack"``):
@@ -100,7 +100,12 @@ def write_shards(directory: Path, samples: int, seed: int = 0) -> list[str]:
 def measure(code_root: Path, train: str, val: str, tokenizer: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(code_root), "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, train, val, tokenizer], env=env, capture_output=True, text=True, check=False
+        [sys.executable, "-c", _CHILD, train, val, tokenizer],
+        env=env,
+        cwd=code_root,  # (`python -c` puts the working directory first on sys.path: it must be the code measured)
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
@@ -112,6 +117,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 30_000, 100_000])
     parser.add_argument("--old", default=OLD_DEFAULT, help="git revision of the old code; 'none' skips it")
     parser.add_argument("--old-max", type=int, default=100_000, help="largest size the old code is run at")
+    parser.add_argument("--index-workers", type=int, default=2, help="lightning-mm index --workers")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "data_scale.json"))
     args = parser.parse_args()
 
@@ -134,7 +140,8 @@ def main() -> None:
                 row["old"] = measure(old_root, pattern, val, tokenizer)
             start = time.perf_counter()
             built = subprocess.run(
-                [sys.executable, "-m", "lightning_mm.cli", "index", *shards, "--tokenizer", tokenizer],
+                [sys.executable, "-m", "lightning_mm.cli", "index", *shards, "--tokenizer", tokenizer]
+                + ["--workers", str(args.index_workers)],
                 env={**os.environ, "PYTHONPATH": str(ROOT)},
                 capture_output=True,
                 text=True,
@@ -145,6 +152,7 @@ def main() -> None:
             row["index"] = {
                 "seconds": seconds,
                 "samples_per_second": size / seconds,
+                "workers": args.index_workers,
                 "bytes_per_sample": index_bytes / size,
                 "output": built.stdout.strip(),
             }
