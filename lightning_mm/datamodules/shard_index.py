@@ -49,6 +49,7 @@ import os
 import posixpath
 import struct
 import tarfile
+import tempfile
 import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -85,6 +86,7 @@ __all__ = [
     "build_shard_index",
     "drop_too_large",
     "ensure_shard_index",
+    "ensure_shard_indexes",
     "index_path",
 ]
 
@@ -105,11 +107,13 @@ SAMPLE_DTYPE = np.dtype(
 _SEE_OVERFLOW = 0xFFFF
 _TOKENS_MAX = 0x7FFF
 _JSON_CAPTION = 0x8000
-_INDEX_CAPTION_CHARS = 1 << 16
-"""Characters of a caption tokenized for its count: a longer caption counts at least ``65536 / longest token`` tokens
-(>= 1024 for any vocabulary whose tokens are at most 64 characters), more than any ``max_text_tokens`` it is cut to.
-The loader never makes a caption longer than planned (it encodes under the planned length), so a count that is low
-only pads."""
+_INDEX_CAPTION_CHARS = 1 << 14
+"""Characters of a caption tokenized for its count; a longer one counts as ``_TOKENS_MAX`` (at least that many), is
+planned as ``max_text_tokens`` and cut to it by the loader, which reads ``_caption_chars`` of it (enough for that many
+tokens by construction). The loader never makes a caption longer than planned (it encodes under the planned length),
+so a count that is high only pads."""
+_ENCODE_CHARS = 1 << 21
+"""Most characters tokenized in one call while indexing (~550 MB of tokenizer memory at ~275 bytes a character)."""
 _MAX_HEADER_BYTES = 64 << 20
 
 
@@ -152,20 +156,43 @@ class _RecordingLog(ErrorLog):
         super().error(kind, url, key, detail, samples)
 
 
-def _token_counts(tokenizer: TextTokenizer, captions: list[str]) -> list[int | None]:
-    """Tokens of each caption (cut at ``_INDEX_CAPTION_CHARS``); None where the tokenizer refuses it."""
-    cut = [caption[:_INDEX_CAPTION_CHARS] for caption in captions]
-    try:
-        return [len(e.ids) for e in tokenizer.tokenizer.encode_batch(cut, add_special_tokens=False)]
-    except Exception:  # (one bad caption fails the whole batch call: find it, one caption at a time)
-        pass
-    counts: list[int | None] = []
-    for caption in cut:
+def _token_counts(tokenizer: TextTokenizer, captions: list[str]) -> list[int | str]:
+    """Tokens of each caption (no BOS / EOS); a caption longer than ``_INDEX_CAPTION_CHARS`` counts as
+    ``_TOKENS_MAX`` (at least that many: planned as ``max_text_tokens``, what the loader then cuts it to); where the
+    tokenizer refuses one, the reason (a str). Encoded in calls of at most ``_ENCODE_CHARS`` characters: the
+    tokenizer's memory grows with the text of one call (~275 bytes a character)."""
+    counts: list[int | str] = []
+    start = 0
+    while start < len(captions):
+        stop, chars = start, 0
+        while stop < len(captions) and (stop == start or chars + len(captions[stop]) <= _ENCODE_CHARS):
+            chars += min(len(captions[stop]), _INDEX_CAPTION_CHARS + 1)
+            stop += 1
+        cut = [caption[:_INDEX_CAPTION_CHARS] for caption in captions[start:stop]]
         try:
-            counts.append(len(tokenizer.tokenizer.encode(caption, add_special_tokens=False).ids))
-        except Exception:
-            counts.append(None)
+            encoded: list[int | str] = [
+                len(e.ids) for e in tokenizer.tokenizer.encode_batch(cut, add_special_tokens=False)
+            ]
+        except Exception:  # (one bad caption fails the whole batch call: find it, one caption at a time)
+            encoded = []
+            for caption in cut:
+                try:
+                    encoded.append(len(tokenizer.tokenizer.encode(caption, add_special_tokens=False).ids))
+                except Exception as err:
+                    encoded.append(f"{type(err).__name__}: {str(err)[:200]}")
+        for caption, count in zip(captions[start:stop], encoded, strict=True):
+            counts.append(_TOKENS_MAX if isinstance(count, int) and len(caption) > _INDEX_CAPTION_CHARS else count)
+        start = stop
     return counts
+
+
+def _header_key(block: bytes) -> str | None:
+    """The sample key of the tar header ``block`` (the 512 bytes before a member's data), or None."""
+    try:
+        split = sample_key(tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name)
+    except (tarfile.TarError, ValueError):
+        return None
+    return split[0] if split is not None else None
 
 
 def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSettings) -> tuple[dict[str, Any], np.ndarray]:
@@ -187,10 +214,12 @@ def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSetting
     counts = _token_counts(tokenizer, captions)
     samples = np.zeros(len(kept), SAMPLE_DTYPE)
     overflow: list[list[int]] = []
+    keys: dict[str, str] = {}  # position -> key, where the caption's own tar header does not spell it (SampleTable)
     row = 0
+    raw = open_shard(url) if kept else None
     for record, count in zip(kept, counts, strict=True):
-        if count is None:
-            log.error("caption_untokenizable", url, record.key, "the tokenizer refuses the caption")
+        if isinstance(count, str):
+            log.error("caption_untokenizable", url, record.key, f"the tokenizer refuses the caption ({count})")
             continue
         text_key = next((k for k in settings.text_keys if k in record.files), None)
         caption_offset, caption_size = record.files[text_key or "json"]
@@ -211,7 +240,13 @@ def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSetting
         )
         if not compact:
             overflow.append([row, caption_offset, caption_size])
+        # (a hard link reads another member's data; a GNU long or pax name is not in the ustar header's name field)
+        raw.seek(caption_offset - tarfile.BLOCKSIZE)
+        if _header_key(raw.read(tarfile.BLOCKSIZE)) != record.key:
+            keys[str(row)] = record.key
         row += 1
+    if raw is not None:
+        raw.close()
     samples = samples[:row]
     errors = {kind: n for kind, n in log.by_shard.get(url, {}).items() if n}
     header = {
@@ -234,6 +269,7 @@ def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSetting
         "first_errors": [list(item) for item in log.first],
         "notices": {kind: log.counts[kind] for kind in NOTICE_KINDS if log.counts[kind]},
         "overflow": overflow,
+        "keys": keys,
     }
     return header, samples
 
@@ -250,36 +286,50 @@ def _cache_root() -> Path:
 
 
 def index_path(url: str, digest: str, index_dir: str | os.PathLike | None = None, for_writing: bool = False) -> str:
-    """Where the index of shard ``url`` for ``digest`` (:meth:`IndexSettings.digest`) lies:
-    ``<shard>.<digest>.lmm-index`` in ``index_dir`` (given), else beside the shard, else (the shard's directory is
-    not writable, or the shard is remote) in the user's cache. ``for_writing=False`` prefers an existing file beside
-    the shard (a remote one too: indexes built once and uploaded with the shards) or in the cache, in that order."""
+    """Where the index of shard ``url`` for ``digest`` (:meth:`IndexSettings.digest`) is written
+    (``for_writing``), or the first existing candidate of :func:`index_candidates` (else the write path)."""
+    if not for_writing:
+        for path in index_candidates(url, digest, index_dir):
+            if _exists(path):
+                return path
+    remote = is_remote(url)
+    beside, cached = _locations(url, digest, index_dir)
+    if index_dir is not None or remote:
+        return cached  # (never written into the user's bucket or server)
+    return beside if os.access(os.path.dirname(beside), os.W_OK) else cached
+
+
+def _locations(url: str, digest: str, index_dir: str | os.PathLike | None) -> tuple[str, str]:
+    """``(beside the shard, in index_dir or the cache)``: ``<shard>.<digest>.lmm-index``, the second keyed by the
+    shard's absolute path."""
     remote = is_remote(url)
     absolute = url if remote else os.path.abspath(url)
     name = f"{posixpath.basename(absolute) if remote else os.path.basename(absolute)}.{digest}{INDEX_SUFFIX}"
     keyed = f"{hashlib.sha256(absolute.encode('utf-8', 'surrogateescape')).hexdigest()[:16]}-{name}"
-    if index_dir is not None:
-        return os.path.join(index_dir, keyed)
-    beside = f"{absolute}.{digest}{INDEX_SUFFIX}"
-    cached = str(_cache_root() / keyed)
-    if not for_writing:
-        if (shard_version(beside) is not None) if remote else os.path.lexists(beside):
-            return beside
-        if os.path.lexists(cached):
-            return cached
-    if remote:
-        return cached  # (never written into the user's bucket or server)
-    return beside if os.access(os.path.dirname(absolute), os.W_OK) else cached
+    return f"{absolute}.{digest}{INDEX_SUFFIX}", os.path.join(index_dir or _cache_root(), keyed)
+
+
+def index_candidates(url: str, digest: str, index_dir: str | os.PathLike | None = None) -> list[str]:
+    """Where an index of shard ``url`` may be read from, in order: ``index_dir`` when given; else beside the shard
+    (a remote one too: indexes built once and uploaded with the shards), then the cache."""
+    beside, cached = _locations(url, digest, index_dir)
+    return [cached] if index_dir is not None else [beside, cached]
+
+
+def _exists(path: str) -> bool:
+    return shard_version(path) is not None if is_remote(path) else os.path.lexists(path)
 
 
 def _write_index(path: str, header: dict[str, Any], samples: np.ndarray) -> None:
-    """Write atomically: a temporary sibling, fsync, ``os.replace``, fsync of the directory."""
+    """Write atomically: a temporary sibling of a random name (``mkstemp``: created exclusively, never through a
+    planted link, distinct for writers on several nodes even with equal PIDs), fsync, ``os.replace``, fsync of the
+    directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = json.dumps(header, sort_keys=True).encode()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with open(tmp, "wb") as out:
+        with os.fdopen(fd, "wb") as out:
             out.write(_MAGIC + struct.pack("<I", len(body)) + body)
             out.write(samples.tobytes())
             out.flush()
@@ -365,9 +415,10 @@ class LoadedShardIndex:
     def without(self, drop: np.ndarray) -> LoadedShardIndex:
         """This index less the samples where ``drop`` (``(n,)`` bool) is True (positions renumbered)."""
         keep = np.flatnonzero(~drop)
-        renumber = {int(old): new for new, old in enumerate(keep.tolist())}
+        renumber = _renumbering(keep)
         overflow = [[renumber[row], offset, size] for row, offset, size in self.header["overflow"] if row in renumber]
-        header = {**self.header, "overflow": overflow, "samples": len(keep)}
+        keys = {str(renumber[int(k)]): v for k, v in self.header.get("keys", {}).items() if int(k) in renumber}
+        header = {**self.header, "overflow": overflow, "keys": keys, "samples": len(keep)}
         return LoadedShardIndex(self.url, self.path, header, self.samples[keep])
 
     def replay(self, errors: ErrorLog) -> None:
@@ -379,24 +430,120 @@ class LoadedShardIndex:
             errors.notice(kind, count)
 
 
-def _validate_header(header: dict[str, Any], path: Path) -> None:
-    """Refuse a header whose fields are not of the expected shapes (a hand-edited or foreign file)."""
-    try:
-        scan, errors = header["scan"], header["errors"]
-        ok = (
-            isinstance(scan, dict)
-            and isinstance(errors, dict)
-            and all(kind in ERROR_KINDS and isinstance(n, int) and n >= 0 for kind, n in errors.items())
-            and all(isinstance(item, list) and len(item) == 3 and item[0] in errors for item in header["first_errors"])
-            and all(kind in NOTICE_KINDS and isinstance(n, int) and n >= 0 for kind, n in header["notices"].items())
-            and all(isinstance(row, list) and len(row) == 3 for row in header["overflow"])
-            and isinstance(scan["samples"], int)
-            and isinstance(scan["extensions"], dict)
+def _renumbering(keep: np.ndarray) -> _Lookup:
+    """Old position -> new position for the kept positions ``keep`` (sorted), looked up lazily: only the few positions
+    of the overflow / key tables are ever asked (O(log n) each, no O(n) dict)."""
+    return _Lookup(keep)
+
+
+class _Lookup:
+    """``position in lookup`` and ``lookup[position]`` over the sorted kept positions (binary search)."""
+
+    def __init__(self, keep: np.ndarray) -> None:
+        self.keep = keep
+
+    def __contains__(self, old: int) -> bool:
+        at = int(np.searchsorted(self.keep, old))
+        return at < len(self.keep) and int(self.keep[at]) == old
+
+    def __getitem__(self, old: int) -> int:
+        return int(np.searchsorted(self.keep, old))
+
+
+def _validate_header(header: dict[str, Any], samples: np.ndarray) -> None:
+    """Refuse (:class:`_Damaged`) a header whose fields are not what :func:`build_shard_index` writes, or samples that
+    point outside the shard (a hand-edited, foreign or damaged file): every later read of it is then safe."""
+
+    def whole(value: Any, low: int = 0) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    def fail(what: str) -> None:
+        raise _Damaged(f"has a malformed header ({what})")
+
+    for field, kind in (("shard", dict), ("settings", dict), ("scan", dict), ("errors", dict), ("notices", dict)):
+        if not isinstance(header.get(field), kind):
+            fail(f"{field!r} is not an object")
+    for field in ("first_errors", "overflow"):
+        if not isinstance(header.get(field), list):
+            fail(f"{field!r} is not a list")
+    if not isinstance(header.get("tokenizer"), str):
+        fail("no tokenizer digest")
+    size = header["shard"].get("size")
+    if not whole(size, -1) or "version" not in header["shard"]:
+        fail("the shard's size / version")
+    scan = header["scan"]
+    if not (
+        whole(scan.get("samples"))
+        and whole(scan.get("with_image"))
+        and isinstance(scan.get("extensions"), dict)
+        and all(isinstance(k, str) and whole(n) for k, n in scan["extensions"].items())
+        and isinstance(scan.get("digest"), str)
+        and all(scan.get(k) is None or isinstance(scan.get(k), str) for k in ("damage", "damage_kind", "damage_key"))
+        and (scan.get("damage_kind") in (None, *ERROR_KINDS))
+    ):
+        fail("'scan'")
+    errors = header["errors"]
+    if not all(kind in ERROR_KINDS and whole(n, 1) for kind, n in errors.items()):
+        fail("'errors'")
+    first = header["first_errors"]
+    if not all(
+        isinstance(item, list)
+        and len(item) == 3
+        and item[0] in errors
+        and (item[1] is None or isinstance(item[1], str))
+        and isinstance(item[2], str)
+        for item in first
+    ) or sorted(item[0] for item in first) != sorted(errors):
+        fail("'first_errors' must name each kind of 'errors' once")
+    if not all(kind in NOTICE_KINDS and whole(n) for kind, n in header["notices"].items()):
+        fail("'notices'")
+    count = len(samples)
+    rows = []
+    for row in header["overflow"]:
+        if not (isinstance(row, list) and len(row) == 3 and all(whole(v) for v in row) and row[0] < count):
+            fail("'overflow'")
+        if row[1] + min(row[2], _MAX_CAPTION_BYTES) > size:
+            fail("an overflow caption lies past the end of the shard")
+        rows.append(row[0])
+    flagged = np.flatnonzero(samples["caption_size"] == _SEE_OVERFLOW)
+    if sorted(rows) != flagged.tolist():
+        fail("'overflow' does not match the samples that refer to it")
+    keys = header.get("keys", {})
+    if not isinstance(keys, dict) or not all(
+        k.isdigit() and int(k) < count and isinstance(v, str) for k, v in keys.items()
+    ):
+        fail("'keys'")
+    if count:
+        image_end = samples["image_offset"].astype(np.int64) + samples["image_size"].astype(np.int64)
+        caption = samples["image_offset"].astype(np.int64) + samples["caption_delta"].astype(np.int64)
+        compact = samples["caption_size"] != _SEE_OVERFLOW
+        if (
+            int(image_end.max()) > size
+            or int(caption[compact].min(initial=tarfile.BLOCKSIZE)) < tarfile.BLOCKSIZE
+            or int((caption + samples["caption_size"])[compact].max(initial=0)) > size
+        ):
+            raise _Damaged(f"holds samples that lie outside the {size}-byte shard")
+
+
+def _check_built_for(header: dict[str, Any], url: str, path: str, tokenizer: TextTokenizer, settings) -> str | None:
+    """Why an index file cannot serve this run although it is whole (another tokenizer, other settings), or None."""
+    if header["tokenizer"] != tokenizer.digest:
+        return (
+            f"shard {url!r}: its index {path!r} was built for tokenizer {header['tokenizer']}, this run's is "
+            f"{tokenizer.digest} ({tokenizer.source}); its caption token counts do not apply. Rebuild it "
+            "(`lightning-mm index ... --tokenizer ... --force`, or delete it); each tokenizer's indexes have names of "
+            "their own"
         )
-    except (KeyError, TypeError) as err:
-        raise _Damaged(f"has a malformed header (missing {err})") from err
-    if not ok:
-        raise _Damaged("has a malformed header")
+    if header["settings"] != settings.as_dict():
+        wanted = settings.as_dict()
+        changed = sorted(k for k, v in wanted.items() if header["settings"].get(k) != v)
+        built = {k: header["settings"].get(k) for k in changed}
+        return (
+            f"shard {url!r}: its index {path!r} was built with other decode settings ({changed}: {built}, this run "
+            f"{ {k: wanted[k] for k in changed} }). Rebuild it (`lightning-mm index ... --force`, or delete it); each "
+            "setting's indexes have names of their own"
+        )
+    return None
 
 
 def ensure_shard_index(
@@ -409,57 +556,69 @@ def ensure_shard_index(
 ) -> tuple[LoadedShardIndex, bool]:
     """The index of shard ``url``, read, or built and written first: ``(index, built)``.
 
-    Built when there is none, when its shard changed since (size, modification time) or when the file is damaged
-    (each said through ``say``, naming the shard); refused with :class:`IndexMismatchError` when the file under this
-    tokenizer's and these settings' name was built for another tokenizer or other settings (copied or renamed by
-    hand: it is not overwritten), unless ``force``.
+    The candidates (:func:`index_candidates`: beside the shard, then the cache; or ``index_dir``) are tried in order
+    and the first whole, fresh one for this tokenizer and these settings is used. Built when there is none, when the
+    shard changed since (size, version) or when the files are damaged (each said through ``say``, naming the shard),
+    and written where this process may write (:func:`index_path`), so a stale index in a read-only directory is
+    rebuilt once, into the cache. Refused with :class:`IndexMismatchError` when a whole file under this tokenizer's
+    and these settings' name was built for others (copied or renamed by hand: not overwritten) and no other
+    candidate serves, unless ``force``.
     """
     digest = settings.digest(tokenizer)
-    path = index_path(url, digest, index_dir)
-    stat = shard_version(url)
-    reason = None
-    if force:
-        reason = "rebuilt (force)"
-    elif not ((shard_version(path) is not None) if is_remote(path) else os.path.lexists(path)):
-        reason = None if stat is None else ""  # (no index yet: built without a word)
-    else:
+    version = shard_version(url)
+    reasons: list[str] = []
+    refusal = None
+    for path in [] if force else index_candidates(url, digest, index_dir):
+        if not _exists(path):
+            continue
         try:
             header, samples = _read_index(path)
-            _validate_header(header, path)
+            _validate_header(header, samples)
         except _Damaged as err:
-            reason = f"its index {str(path)!r} {err}: rebuilt"
-        else:
-            if header["tokenizer"] != tokenizer.digest:
-                raise IndexMismatchError(
-                    f"shard {url!r}: its index {str(path)!r} was built for tokenizer {header['tokenizer']}, this run's "
-                    f"is {tokenizer.digest} ({tokenizer.source}); its caption token counts do not apply. Rebuild it "
-                    "(`lightning-mm index ... --tokenizer ... --force`, or delete it); each tokenizer's indexes have "
-                    "names of their own"
-                )
-            if header["settings"] != settings.as_dict():
-                changed = sorted(k for k, v in settings.as_dict().items() if header["settings"].get(k) != v)
-                raise IndexMismatchError(
-                    f"shard {url!r}: its index {str(path)!r} was built with other decode settings ({changed}: "
-                    f"{ {k: header['settings'].get(k) for k in changed} }, this run "
-                    f"{ {k: settings.as_dict()[k] for k in changed} }). Rebuild it (`lightning-mm index ... --force`, "
-                    "or delete it); each setting's indexes have names of their own"
-                )
-            if stat is not None and {k: header["shard"].get(k) for k in ("size", "version")} == _identity(stat):
-                return LoadedShardIndex(url, path, header, samples), False
-            if stat is not None:
-                reason = f"changed since its index was built ({header['shard']} -> {_identity(stat)}): rebuilt"
-    if stat is None:
-        # Nothing to index: the build records the shard as missing (counted like any skip), nothing is written.
-        header, samples = build_shard_index(url, tokenizer, settings)
-        return LoadedShardIndex(url, path, header, samples), True
+            reasons.append(f"its index {path!r} {err}")
+            continue
+        mismatch = _check_built_for(header, url, path, tokenizer, settings)
+        if mismatch is not None:
+            refusal = refusal or mismatch
+            continue
+        if version is not None and {k: header["shard"].get(k) for k in ("size", "version")} == _identity(version):
+            return LoadedShardIndex(url, path, header, samples), False
+        if version is not None:
+            reasons.append(f"changed since its index {path!r} was built ({header['shard']} -> {_identity(version)})")
+    if refusal is not None:
+        raise IndexMismatchError(refusal)
     header, samples = build_shard_index(url, tokenizer, settings)
-    if {k: header["shard"].get(k) for k in ("size", "version")} != _identity(stat):
-        raise RuntimeError(f"shard {url!r} changed while it was being indexed; index it again once it is complete")
-    if reason and say is not None:
-        say(f"data: shard {url!r} {reason}")
     path = index_path(url, digest, index_dir, for_writing=True)
+    if version is None:
+        # Nothing to index: the build records the shard as missing (counted like any skip), nothing is written.
+        return LoadedShardIndex(url, path, header, samples), True
+    if {k: header["shard"].get(k) for k in ("size", "version")} != _identity(version):
+        raise RuntimeError(f"shard {url!r} changed while it was being indexed; index it again once it is complete")
+    if say is not None and (reasons or force):
+        say(f"data: shard {url!r} " + ("; ".join(reasons) if reasons else "rebuilt (force)") + f": rebuilt as {path!r}")
     _write_index(path, header, samples)
     return LoadedShardIndex(url, path, header, samples), True
+
+
+def ensure_shard_indexes(
+    urls: Sequence[str],
+    tokenizer: TextTokenizer,
+    settings: IndexSettings,
+    index_dir: str | os.PathLike | None = None,
+    say: Callable[[str], None] | None = print,
+) -> list[LoadedShardIndex]:
+    """:func:`ensure_shard_index` of every shard of ``urls``, in order; remote ones 16 at a time (a few metadata
+    requests each: 100k shards one after the other would take hours)."""
+
+    def one(url: str) -> LoadedShardIndex:
+        return ensure_shard_index(url, tokenizer, settings, index_dir, say=say)[0]
+
+    if not any(is_remote(url) for url in urls):
+        return [one(url) for url in urls]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(one, urls))
 
 
 def drop_too_large(index: LoadedShardIndex, limit: int | None, errors: ErrorLog) -> LoadedShardIndex:
@@ -518,23 +677,34 @@ class SampleTable:
     O(shards) Python objects (``urls``, ``starts``). Sample ``i`` is sample ``i - starts[s]`` of shard ``urls[s]``.
     Pickles as its arrays (DataLoader workers forked from the rank share its pages)."""
 
-    def __init__(self, urls: list[str], counts: Sequence[int], samples: np.ndarray, overflow: dict[int, tuple]) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        counts: Sequence[int],
+        samples: np.ndarray,
+        overflow: dict[int, tuple],
+        keys: dict[int, str] | None = None,
+    ) -> None:
         self.urls = urls
         self.starts = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
         self.samples = samples
         self.overflow = overflow
         """Global sample index -> ``(caption offset, caption size)`` where the compact fields do not hold them."""
+        self.keys = keys or {}
+        """Global sample index -> key, where the caption's tar header does not spell it (:meth:`read`)."""
 
     @classmethod
     def from_indexes(cls, indexes: Sequence[LoadedShardIndex]) -> SampleTable:
         counts = [len(index.samples) for index in indexes]
         samples = np.concatenate([index.samples for index in indexes]) if indexes else np.zeros(0, SAMPLE_DTYPE)
-        overflow, start = {}, 0
+        overflow, keys, start = {}, {}, 0
         for index, count in zip(indexes, counts, strict=True):
             for row, offset, size in index.header["overflow"]:
                 overflow[start + int(row)] = (int(offset), int(size))
+            for row, key in index.header.get("keys", {}).items():
+                keys[start + int(row)] = key
             start += count
-        return cls([index.url for index in indexes], counts, samples, overflow)
+        return cls([index.url for index in indexes], counts, samples, overflow, keys)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -571,9 +741,13 @@ class SampleTable:
         keep = np.asarray(keep, dtype=np.int64)
         shard = np.searchsorted(self.starts, keep, side="right") - 1
         counts = np.bincount(shard, minlength=len(self.urls))
-        position = {int(old): new for new, old in enumerate(keep.tolist()) if int(old) in self.overflow}
+        renumber = _renumbering(keep)
         return SampleTable(
-            self.urls, counts, self.samples[keep], {new: self.overflow[old] for old, new in position.items()}
+            self.urls,
+            counts,
+            self.samples[keep],
+            {renumber[old]: value for old, value in self.overflow.items() if old in renumber},
+            {renumber[old]: value for old, value in self.keys.items() if old in renumber},
         )
 
     def locate(self, index: int) -> tuple[str, int]:
@@ -584,9 +758,11 @@ class SampleTable:
     def key(self, index: int) -> str:
         """The webdataset key of sample ``index`` (see :meth:`read`)."""
         _, position = self.locate(index)
+        if index in self.keys:
+            return self.keys[index]
         try:
             return self.read(index)[0]
-        except OSError:
+        except Exception:  # (a message is being made: the shard's own problem is reported by the caller)
             return f"#{position}"
 
     def _caption_location(self, index: int) -> tuple[int, int]:
@@ -613,11 +789,7 @@ class SampleTable:
             ranges.append((int(sample["image_offset"]), int(sample["image_size"])))
         blobs = read_ranges(url, ranges)
         block, data = blobs[0][: tarfile.BLOCKSIZE], blobs[0][tarfile.BLOCKSIZE :]
-        try:
-            split = sample_key(tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name)
-        except (tarfile.TarError, ValueError):
-            split = None
-        key = split[0] if split is not None else f"#{position}"
+        key = self.keys.get(index) or _header_key(block) or f"#{position}"
         image = blobs[1] if len(blobs) > 1 else None
         source = "json" if is_json else "caption file"
         caption, kind, detail = caption_from_bytes(data, source, is_json, caption_size > _MAX_CAPTION_BYTES)

@@ -77,7 +77,7 @@ from lightning_mm.datamodules.shard_index import (
     SampleLengths,
     SampleTable,
     drop_too_large,
-    ensure_shard_index,
+    ensure_shard_indexes,
 )
 from lightning_mm.datamodules.shard_io import is_remote, shard_versions
 from lightning_mm.datamodules.stages import TextTokenizer
@@ -276,6 +276,11 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
                 maximum=max_patches_per_image,
                 hint=f"a patch cap per image; max_patches_per_image={max_patches_per_image}",
             )
+        if isinstance(max_text_tokens, int) and max_text_tokens > 32769:
+            raise ValueError(
+                f"max_text_tokens must be <= 32769 (a shard index counts up to 32767 caption tokens), got "
+                f"{max_text_tokens}"
+            )
         if index_dir is not None and (not isinstance(index_dir, str) or not index_dir):
             raise ValueError(f"index_dir must be a directory path or None, got {index_dir!r}")
         if not isinstance(carry_remainder, bool):
@@ -463,11 +468,8 @@ class ImageTextWebDataModule(PassAccounting, L.LightningDataModule):
         """Every shard's index (``shard_index.py``), built where missing or stale: once per node in
         ``prepare_data``, read back by every rank."""
         shards, _ = self._sources()
-        settings, say = self._index_settings(), (_print if self._global_rank() == 0 else None)
-        return [
-            ensure_shard_index(url, self.tokenizer, settings, self.hparams.index_dir, say=say)[0]
-            for url in shards[split]
-        ]
+        say = _print if self._global_rank() == 0 else None
+        return ensure_shard_indexes(shards[split], self.tokenizer, self._index_settings(), self.hparams.index_dir, say)
 
     def _index(self, split: str) -> tuple[SampleTable, SampleLengths]:
         """The split's samples (read from the shard indexes, O(24 bytes) each) and their planned lengths."""

@@ -294,10 +294,10 @@ def test_failures_while_loading_are_counted_skips_not_a_crash(tmp_path, monkeypa
     dm._index("train")
     original = decode.load_rgb_image
 
-    def flaky(data, url, key, errors, max_image_pixels):
+    def flaky(data, url, key, errors, max_image_pixels, **kwargs):
         if key.endswith("3"):
             raise RuntimeError("a decoder bug")
-        return original(data, url, key, errors, max_image_pixels)
+        return original(data, url, key, errors, max_image_pixels, **kwargs)
 
     monkeypatch.setattr("lightning_mm.datamodules.planned_split.load_rgb_image", flaky)
     dm.tokenizer.tokenizer = _Refusing(dm.tokenizer.tokenizer)

@@ -107,7 +107,7 @@ def test_an_index_is_reused_and_a_changed_shard_is_reindexed_naming_it(tmp_path,
     said: list[str] = []
     index, built = ensure_shard_index(url, tokenizer, IndexSettings(), say=said.append)
     assert built and len(index.samples) == 9
-    assert len(said) == 1 and url in said[0] and "changed since its index was built" in said[0]
+    assert len(said) == 1 and url in said[0] and "changed since its index" in said[0]
     assert SampleTable.from_indexes([index]).read(0)[0] == "s000010"
 
 
@@ -214,3 +214,128 @@ def test_the_index_command_builds_incrementally_and_the_datamodule_then_scans_no
     batches = list(dm.train_dataloader())
     assert sorted(int(i) for b in batches for i in b.sample_ids.flatten() if i >= 0) == list(range(32))
     assert index_main([str(tmp_path / "nothing-*.tar"), "--tokenizer", tokenizer.source]) == 2
+
+
+def _tar(path, members: list[tuple[str, bytes]], fmt, links: dict[str, str] | None = None) -> str:
+    """A tar written by ``tarfile`` in format ``fmt`` (GNU long names, pax names), hard links ``name -> target``."""
+    import tarfile
+
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if links and name in links:
+                info.type, info.linkname = tarfile.LNKTYPE, links[name]
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_keys_are_right_for_long_names_pax_names_and_hard_links(tmp_path, tokenizer):
+    import tarfile
+
+    long = "d/" + "x" * 120
+    members = [
+        (f"{long}.png", _png(0)),
+        (f"{long}.txt", b"a long name"),
+        ("caf\u00e9.png", _png(1)),
+        ("caf\u00e9.txt", b"a pax name"),
+        ("plain.png", _png(2)),
+        ("plain.txt", b"same words"),
+        ("linked.png", _png(3)),
+        ("linked.txt", b""),
+    ]
+    for fmt, name in ((tarfile.GNU_FORMAT, "gnu"), (tarfile.PAX_FORMAT, "pax")):
+        url = _tar(tmp_path / f"{name}.tar", members, fmt, links={"linked.txt": "plain.txt"})
+        index, _ = ensure_shard_index(url, tokenizer, IndexSettings(), say=None)
+        table = SampleTable.from_indexes([index])
+        scanned = [record.key for record in scan_shard(url, ErrorLog()).records]
+        assert scanned == [long, "caf\u00e9", "plain", "linked"]
+        assert [table.read(i)[0] for i in range(len(table))] == scanned
+        assert [table.key(i) for i in range(len(table))] == scanned
+        assert table.read(3)[2] == "same words"  # (the hard link reads its target's data)
+
+
+def _rewrite(path: str, change) -> None:
+    """Rewrite an index file with ``change(header, samples)`` applied, its CRC made right again (what a hand-edited or
+    crafted file looks like)."""
+    import struct
+    import zlib
+
+    data = Path(path).read_bytes()
+    (length,) = struct.unpack("<I", data[8:12])
+    header = json.loads(data[12 : 12 + length])
+    samples = np.frombuffer(data[12 + length :], SAMPLE_DTYPE).copy()
+    change(header, samples)  # (in place)
+    header["samples"], header["crc32"] = len(samples), zlib.crc32(samples.tobytes())
+    body = json.dumps(header).encode()
+    Path(path).write_bytes(data[:8] + struct.pack("<I", len(body)) + body + samples.tobytes())
+
+
+def _far_image(header, samples):
+    samples["image_size"][0] = 2**31  # (pread would allocate 2 GiB per read)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda h, s: h["scan"].pop("digest"),
+        lambda h, s: h.update(settings=[1]),
+        lambda h, s: h.update(shard=[1]),
+        lambda h, s: h.pop("tokenizer"),
+        lambda h, s: h.update(overflow=[["x", 1, 2]]),
+        lambda h, s: h.update(overflow=[[99, 1, 2]]),
+        lambda h, s: h.update(errors={"image_empty": 3}),  # (no first_errors entry for it)
+        _far_image,
+    ],
+    ids=["scan", "settings", "shard", "tokenizer", "overflow-type", "overflow-range", "errors", "image-outside"],
+)
+def test_a_crafted_index_is_refused_as_damaged_and_rebuilt(tmp_path, tokenizer, change):
+    url = _write(tmp_path / "k-000000.tar", _samples(0, 3))
+    index, _ = ensure_shard_index(url, tokenizer, IndexSettings(), say=None)
+    expected = index.samples.copy()
+    _rewrite(index.path, change)
+    said: list[str] = []
+    rebuilt, built = ensure_shard_index(url, tokenizer, IndexSettings(), say=said.append)
+    assert built and np.array_equal(rebuilt.samples, expected)
+    assert len(said) == 1 and url in said[0] and ("malformed" in said[0] or "outside" in said[0])
+
+
+def test_a_stale_index_in_a_read_only_directory_is_rebuilt_once_into_the_cache(tmp_path, tokenizer, monkeypatch):
+    url = _write(tmp_path / "m-000000.tar", _samples(0, 3))
+    beside, _ = ensure_shard_index(url, tokenizer, IndexSettings(), say=None)
+    _write(url, _samples(5, 4))  # the shard changes; its directory becomes read-only
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr("lightning_mm.datamodules.shard_index.os.access", lambda path, mode: False)
+    rebuilt, built = ensure_shard_index(url, tokenizer, IndexSettings(), say=None)
+    assert built and len(rebuilt.samples) == 4 and rebuilt.path != beside.path
+    again, built = ensure_shard_index(url, tokenizer, IndexSettings(), say=None)
+    assert not built and again.path == rebuilt.path  # (the stale file beside is passed over, not rebuilt again)
+
+
+def test_caption_counts_are_exact_up_to_the_cut_and_saturate_past_it(tmp_path, tokenizer):
+    medium = " ".join(f"w{i % 50}" for i in range(2_500))  # ~10k characters: counted whole
+    huge = " ".join(f"w{i % 50}" for i in range(6_000))  # ~24k characters: past the cut
+    url = _write(
+        tmp_path / "n-000000.tar",
+        [{"__key__": "a", "png": _png(0), "txt": medium}, {"__key__": "b", "png": _png(1), "txt": huge}],
+    )
+    index, _ = ensure_shard_index(url, tokenizer, IndexSettings(), say=None)
+    tokens = SampleTable.from_indexes([index]).caption_tokens
+    assert tokens[0] == len(tokenizer.tokenizer.encode(medium, add_special_tokens=False).ids) < 0x7FFF
+    assert tokens[1] == 0x7FFF
+
+
+def test_ranges_far_apart_are_read_separately_and_close_ones_together(tmp_path):
+    from lightning_mm.datamodules.shard_io import read_ranges
+
+    data = bytes(range(256)) * (3 << 12)  # 3 MiB
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    far = [(10, 5), (len(data) - 7, 7)]
+    close = [(2000, 10), (100, 30)]
+    assert read_ranges(str(path), far) == [data[10:15], data[-7:]]
+    assert read_ranges(str(path), close) == [data[2000:2010], data[100:130]]
+    with pytest.raises(OSError, match="changed since it was indexed"):
+        read_ranges(str(path), [(len(data) - 3, 10)])
