@@ -184,7 +184,7 @@ def collate_one_per_row(samples: Sequence[PatchedSample], pad_id: int) -> Multim
     max_patches = max(1, max(s.num_patches for s in samples))
     max_tokens = max(s.num_tokens for s in samples)
 
-    patches = torch.zeros(rows, max_patches, patch_dim)
+    patches = torch.empty(rows, max_patches, patch_dim)  # (each row's padding is zeroed below: one pass, not two)
     patch_pos = torch.zeros(rows, max_patches, 2, dtype=torch.long)
     patch_segment = torch.full((rows, max_patches), PAD_SEGMENT, dtype=torch.long)
     tokens = torch.full((rows, max_tokens), pad_id, dtype=torch.long)
@@ -195,6 +195,7 @@ def collate_one_per_row(samples: Sequence[PatchedSample], pad_id: int) -> Multim
     for row, sample in enumerate(samples):
         n, length = sample.num_patches, sample.num_tokens
         patches[row, :n] = sample.patches
+        patches[row, n:] = 0
         patch_pos[row, :n] = sample.patch_pos
         patch_segment[row, :n] = 0
         tokens[row, :length] = sample.tokens
