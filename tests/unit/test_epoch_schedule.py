@@ -70,11 +70,10 @@ def _synthetic_table(samples: int, seed: int = 0):
     return SampleTable([f"shard-{i:06d}.tar" for i in range(len(counts))], counts, rows, {})
 
 
-@pytest.mark.parametrize("balance", [False, True])
-def test_resume_and_resharding_4_2_3_over_an_index_of_100k_samples_uses_each_sample_once(balance):
+def test_resume_and_resharding_4_2_3_over_an_index_of_100k_samples_uses_each_sample_once():
     """An epoch of 100,000 indexed samples, checkpointed on 4 data-parallel ranks, resumed on 2, checkpointed again
     and resumed on 3: the batches the three runs train are the epoch's plan, each of its samples once."""
-    from lightning_mm.datamodules.epoch_schedule import EpochSchedule, deal_batches
+    from lightning_mm.datamodules.epoch_schedule import EpochSchedule
 
     table = _synthetic_table(100_000)
     lengths = table.lengths(16, 64, 64)
@@ -86,13 +85,20 @@ def test_resume_and_resharding_4_2_3_over_an_index_of_100k_samples_uses_each_sam
         max_tokens_per_row=64,
         rows_per_batch=8,
         buffer_size=1000,
-        balance=balance,
     )
 
     # The global batch list is what every rank plans alike (EpochSchedule._global_batches); each run deals what the
     # checkpoint had not consumed to its own ranks, as EpochSchedule._make_plan does for its rank.
     schedule = EpochSchedule(table, lengths, config, True, 0, 1)
     batches, short, _, planned_lengths, _ = schedule._global_batches(0)
+
+    # (the global list does not depend on the dealing: one plan serves round-robin and the balanced dealing)
+    for balance in (False, True):
+        _check_resharded_epoch(batches, short, planned_lengths, dataclasses.replace(config, balance=balance))
+
+
+def _check_resharded_epoch(batches, short, planned_lengths, config) -> None:
+    from lightning_mm.datamodules.epoch_schedule import deal_batches
 
     def trained(world: int, done: int, saved_world: int | None, steps: int | None) -> list[list[list[int]]]:
         """What the ranks of one run train (``steps`` rounds, or the rest of the epoch), in step order."""
@@ -109,5 +115,5 @@ def test_resume_and_resharding_4_2_3_over_an_index_of_100k_samples_uses_each_sam
     # last run (fewer than 3 batches), nothing else.
     left_out = 100_000 - len(seen)
     assert 0 <= left_out - len(short) < 3 * 8 * 64
-    if not balance:  # round-robin keeps the plan's batches: the trained ones are the plan's, in its order
+    if not config.balance:  # round-robin keeps the plan's batches: the trained ones are the plan's, in its order
         assert first + second + third == batches[: len(first + second + third)]
