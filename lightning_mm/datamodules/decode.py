@@ -42,6 +42,7 @@ from lightning_mm.datamodules.shard_io import is_remote, open_shard, shard_versi
 from lightning_mm.datamodules.tar_members import (
     data_member,
     first_nonzero_byte,
+    header_key,
     member_digest,
     sample_key,
     unreadable_link,
@@ -398,6 +399,9 @@ class ShardIndex:
     damage_kind: str | None = None
     """``tar_truncated``, ``tar_data_after_end`` or ``shard_empty`` when ``damage`` is set."""
     damage_key: str | None = None
+    unspelled: set[int] = field(default_factory=set)
+    """Positions in ``records`` of the samples whose caption member's own tar header does not spell their key
+    (:func:`~lightning_mm.datamodules.tar_members.header_key`: a hard link, a GNU long or a pax name)."""
     """The sample being read at the damage (dropped: more of its files may have followed), if any."""
 
 
@@ -575,6 +579,11 @@ def scan_shard(
             )
             if record is not None:
                 records.append(record)
+                # (one 512-byte read beside the caption just read: the indexed loader names samples from that block)
+                text_key = next((k for k in text_keys if k in record.files), "json")
+                raw.seek(record.files[text_key][0] - tarfile.BLOCKSIZE)
+                if header_key(raw.read(tarfile.BLOCKSIZE)) != record.key:
+                    result.unspelled.add(len(records) - 1)
 
         try:
             # "r:" (not "r:*"): uncompressed only, and TarInfo.offset_data is then an offset in the file.

@@ -72,8 +72,8 @@ from lightning_mm.datamodules.decode import (
     scan_shard,
 )
 from lightning_mm.datamodules.shard_io import is_remote, open_shard, read_ranges, shard_version
-from lightning_mm.datamodules.stages import TextTokenizer
-from lightning_mm.datamodules.tar_members import sample_key
+from lightning_mm.datamodules.stages import TextTokenizer, patch_grid
+from lightning_mm.datamodules.tar_members import header_key
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -186,15 +186,6 @@ def _token_counts(tokenizer: TextTokenizer, captions: list[str]) -> list[int | s
     return counts
 
 
-def _header_key(block: bytes) -> str | None:
-    """The sample key of the tar header ``block`` (the 512 bytes before a member's data), or None."""
-    try:
-        split = sample_key(tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name)
-    except (tarfile.TarError, ValueError):
-        return None
-    return split[0] if split is not None else None
-
-
 def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSettings) -> tuple[dict[str, Any], np.ndarray]:
     """Scan one shard (:func:`~lightning_mm.datamodules.decode.scan_shard`), count its captions' tokens and return
     ``(header, samples)``: the index as :func:`ensure_shard_index` writes it (``samples``: ``(n,)`` of
@@ -203,21 +194,20 @@ def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSetting
     log = _RecordingLog()
     # (no pixel limit here: IndexSettings says why; PIL's own decompression-bomb guard still refuses a header)
     scan = scan_shard(url, log, settings.image_keys, settings.text_keys, None, settings.require_images)
-    kept, captions = [], []
-    for record in scan.records:
+    kept, captions = [], []  # (records, and whether their caption's tar header spells their key)
+    for position, record in enumerate(scan.records):
         if max(record.width, record.height) > 0xFFFF:
             side = f"the header declares {record.width} x {record.height} pixels: a side over 65535 px"
             log.error("image_too_large", url, record.key, side)
             continue
-        kept.append(record)
+        kept.append((record, position not in scan.unspelled))
         captions.append(record.caption)
     counts = _token_counts(tokenizer, captions)
     samples = np.zeros(len(kept), SAMPLE_DTYPE)
     overflow: list[list[int]] = []
     keys: dict[str, str] = {}  # position -> key, where the caption's own tar header does not spell it (SampleTable)
     row = 0
-    raw = open_shard(url) if kept else None
-    for record, count in zip(kept, counts, strict=True):
+    for (record, spelled), count in zip(kept, counts, strict=True):
         if isinstance(count, str):
             log.error("caption_untokenizable", url, record.key, f"the tokenizer refuses the caption ({count})")
             continue
@@ -240,13 +230,9 @@ def build_shard_index(url: str, tokenizer: TextTokenizer, settings: IndexSetting
         )
         if not compact:
             overflow.append([row, caption_offset, caption_size])
-        # (a hard link reads another member's data; a GNU long or pax name is not in the ustar header's name field)
-        raw.seek(caption_offset - tarfile.BLOCKSIZE)
-        if _header_key(raw.read(tarfile.BLOCKSIZE)) != record.key:
+        if not spelled:
             keys[str(row)] = record.key
         row += 1
-    if raw is not None:
-        raw.close()
     samples = samples[:row]
     errors = {kind: n for kind, n in log.by_shard.get(url, {}).items() if n}
     header = {
@@ -385,6 +371,7 @@ def _read_index(path: str) -> tuple[dict[str, Any], np.ndarray]:
             raise _Damaged(f"holds {read} bytes of samples where its header declares {samples.nbytes}")
     if zlib.crc32(samples.tobytes()) != header.get("crc32"):
         raise _Damaged("fails its checksum (CRC-32 of the samples)")
+    _validate_header(header, samples)
     return header, samples
 
 
@@ -415,7 +402,7 @@ class LoadedShardIndex:
     def without(self, drop: np.ndarray) -> LoadedShardIndex:
         """This index less the samples where ``drop`` (``(n,)`` bool) is True (positions renumbered)."""
         keep = np.flatnonzero(~drop)
-        renumber = _renumbering(keep)
+        renumber = _Lookup(keep)
         overflow = [[renumber[row], offset, size] for row, offset, size in self.header["overflow"] if row in renumber]
         keys = {str(renumber[int(k)]): v for k, v in self.header.get("keys", {}).items() if int(k) in renumber}
         header = {**self.header, "overflow": overflow, "keys": keys, "samples": len(keep)}
@@ -430,14 +417,9 @@ class LoadedShardIndex:
             errors.notice(kind, count)
 
 
-def _renumbering(keep: np.ndarray) -> _Lookup:
-    """Old position -> new position for the kept positions ``keep`` (sorted), looked up lazily: only the few positions
-    of the overflow / key tables are ever asked (O(log n) each, no O(n) dict)."""
-    return _Lookup(keep)
-
-
 class _Lookup:
-    """``position in lookup`` and ``lookup[position]`` over the sorted kept positions (binary search)."""
+    """Old position -> new position for the kept positions ``keep`` (sorted): ``old in lookup``, ``lookup[old]``, by
+    binary search. Only the few positions of the overflow / key tables are ever asked, so no O(n) dict is built."""
 
     def __init__(self, keep: np.ndarray) -> None:
         self.keep = keep
@@ -573,7 +555,6 @@ def ensure_shard_index(
             continue
         try:
             header, samples = _read_index(path)
-            _validate_header(header, samples)
         except _Damaged as err:
             reasons.append(f"its index {path!r} {err}")
             continue
@@ -642,8 +623,6 @@ def _patch_counts(
     height: np.ndarray, width: np.ndarray, has_image: np.ndarray, patch_size: int, cap: int
 ) -> np.ndarray:
     """``(n,)`` int64 patches of every image on its grid (``stages.patch_grid``, evaluated once per distinct size)."""
-    from lightning_mm.datamodules.stages import patch_grid
-
     sizes = (height.astype(np.int64) << 16) | width.astype(np.int64)
     distinct, inverse = np.unique(np.where(has_image, sizes, -1), return_inverse=True)
     patches = np.array(
@@ -741,7 +720,7 @@ class SampleTable:
         keep = np.asarray(keep, dtype=np.int64)
         shard = np.searchsorted(self.starts, keep, side="right") - 1
         counts = np.bincount(shard, minlength=len(self.urls))
-        renumber = _renumbering(keep)
+        renumber = _Lookup(keep)
         return SampleTable(
             self.urls,
             counts,
@@ -757,13 +736,14 @@ class SampleTable:
 
     def key(self, index: int) -> str:
         """The webdataset key of sample ``index`` (see :meth:`read`)."""
-        _, position = self.locate(index)
+        url, position = self.locate(index)
         if index in self.keys:
             return self.keys[index]
-        try:
-            return self.read(index)[0]
+        try:  # (the caption member's header block only: naming a sample reads no image)
+            (block,) = read_ranges(url, [(self._caption_location(index)[0] - tarfile.BLOCKSIZE, tarfile.BLOCKSIZE)])
         except Exception:  # (a message is being made: the shard's own problem is reported by the caller)
             return f"#{position}"
+        return header_key(block) or f"#{position}"
 
     def _caption_location(self, index: int) -> tuple[int, int]:
         sample = self.samples[index]
@@ -789,7 +769,7 @@ class SampleTable:
             ranges.append((int(sample["image_offset"]), int(sample["image_size"])))
         blobs = read_ranges(url, ranges)
         block, data = blobs[0][: tarfile.BLOCKSIZE], blobs[0][tarfile.BLOCKSIZE :]
-        key = self.keys.get(index) or _header_key(block) or f"#{position}"
+        key = self.keys.get(index) or header_key(block) or f"#{position}"
         image = blobs[1] if len(blobs) > 1 else None
         source = "json" if is_json else "caption file"
         caption, kind, detail = caption_from_bytes(data, source, is_json, caption_size > _MAX_CAPTION_BYTES)

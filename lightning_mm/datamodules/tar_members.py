@@ -9,7 +9,7 @@ import re
 import tarfile
 from typing import BinaryIO
 
-__all__ = ["data_member", "first_nonzero_byte", "member_digest", "sample_key", "unreadable_link"]
+__all__ = ["data_member", "first_nonzero_byte", "header_key", "member_digest", "sample_key", "unreadable_link"]
 
 # webdataset's split of a member name into key and extension (``base_plus_ext``), and the member
 # names it skips (``__key__``-style metadata).
@@ -24,6 +24,17 @@ def sample_key(name: str) -> tuple[str, str] | None:
     if match is None or _META_NAME.match(name):
         return None
     return match.group(1), match.group(2).lower()
+
+
+def header_key(block: bytes) -> str | None:
+    """The sample key that the tar header ``block`` (the 512 bytes before a member's data) spells, or None. It is not
+    the member's key for a hard link (the block is its target's header), a GNU long name (truncated to 100 characters)
+    or a pax name (non-ASCII characters replaced): the real name lies in earlier blocks."""
+    try:
+        split = sample_key(tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape").name)
+    except (tarfile.TarError, ValueError):
+        return None
+    return split[0] if split is not None else None
 
 
 def member_digest(digest, raw: BinaryIO, info: tarfile.TarInfo, sample: int = 4096) -> None:
