@@ -18,6 +18,28 @@ LLAMA = {
     "tie_word_embeddings": False,
 }
 IMAGE_TOKEN = VOCAB - 1
+_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}  # (the families' defaults lie outside VOCAB)
+FAMILIES = {
+    # per-head q_norm / k_norm: base_model_tp_plan style "replicated_with_grad_allreduce"
+    "qwen3": {**LLAMA, "model_type": "qwen3", "head_dim": 8},
+    # the same norms, sliding-window and full-attention layers, embeddings scaled inside the embedding module, the
+    # logits soft-capped after the LM head (by the causal LM's forward)
+    "gemma3": {
+        **LLAMA,
+        **_IDS,
+        "model_type": "gemma3_text",
+        "head_dim": 8,
+        "query_pre_attn_scalar": 8,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "final_logit_softcapping": 30.0,
+    },
+    # fused qkv_proj and gate_up_proj: "colwise_gather_output" / "rowwise_split_input"
+    "phi3": {**LLAMA, **_IDS, "model_type": "phi3"},
+    # q_norm / k_norm over all heads: q / k / v "colwise_gather_output", o "rowwise_split_input"; post-norm layers
+    "olmo2": {**LLAMA, **_IDS, "model_type": "olmo2"},
+}
+"""Decoder families besides Llama's, tiny, each with something the adapter must read from its structure."""
 LLAVA = {
     "model_type": "llava",
     "text_config": LLAMA,

@@ -170,10 +170,26 @@ def stage_ids_for_rank(pp_rank: int, pp_size: int, virtual_stages: int) -> list[
 
 
 class PassThrough(nn.Module):
-    """Stands in for a unit another pipeline stage holds: returns its first input unchanged."""
+    """Stands in for a unit another pipeline stage holds: returns its first input unchanged.
+
+    ``carried``: the unit's plain attributes (str, int, float, bool, None), kept so that code reading them off the
+    units still finds them (a decoder loop that picks each layer's mask by ``layer.attention_type``)."""
+
+    def __init__(self, carried: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        for name, value in (carried or {}).items():
+            setattr(self, name, value)
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return x
+
+
+def _plain_attributes(module: nn.Module) -> dict[str, Any]:
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool, type(None)))
+    }
 
 
 def sequential_units(model: nn.Module, root: str, split_points: Sequence[str]) -> list[str]:
@@ -199,7 +215,8 @@ def prune_units(model: nn.Module, units: Sequence[str], keep: set[str]) -> None:
             continue
         parent_name, _, name = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, name, PassThrough())  # nn.ModuleList / Sequential / ModuleDict register children by name too
+        # (nn.ModuleList / Sequential / ModuleDict register children by name too)
+        setattr(parent, name, PassThrough(_plain_attributes(parent.get_submodule(name))))
 
 
 def sequential_pipeline_spec(

@@ -290,11 +290,20 @@ def _check_divisibility(model: nn.Module, styles: dict[str, ParallelStyle], tp: 
     partial heads makes ``view(..., -1, head_dim)`` mix heads across ranks or fail with an obscure shape error.
     """
     modules = dict(model.named_modules())
-    sharded = {fqn for fqn, style in styles.items() if isinstance(style, (ColwiseParallel, RowwiseParallel))}
+    # Projections whose output stays split by heads: a colwise style with a Shard output. One that gathers its output
+    # (transformers' "colwise_gather_output": Phi-3's fused qkv_proj, OLMo 2's q / k / v ahead of a norm over all
+    # heads) leaves every rank all heads, so no head count needs to divide.
+    head_split = {
+        fqn
+        for fqn, style in styles.items()
+        if isinstance(style, ColwiseParallel) and all(layout.is_shard() for layout in style.output_layouts)
+    }
     for fqn, module in modules.items():
         head_dim = getattr(module, "head_dim", None)
-        projections = [f"{fqn}.{name}" if fqn else name for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if not isinstance(head_dim, int) or not sharded.intersection(projections):
+        projections = [f"{fqn}.{name}" if fqn else name for name in ("q_proj", "k_proj", "v_proj")]
+        if not isinstance(head_dim, int) or not isinstance(getattr(module, "q_proj", None), nn.Linear):
+            continue
+        if not head_split.intersection(projections):
             continue
         heads = module.q_proj.out_features // head_dim
         check_divisible(f"{fqn or type(module).__name__} heads", heads, "tensor_parallel", tp)

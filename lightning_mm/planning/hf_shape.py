@@ -34,7 +34,8 @@ def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 
 
 class CausalLMShape(ModelShape):
-    """A Hugging Face Llama-style decoder (Llama, Mistral, Qwen2 families), as ``HFCausalLMModule`` parallelizes it:
+    """A Hugging Face decoder-only causal LM (Llama's layout: Llama, Mistral, Qwen2 / 3, Gemma 3, Phi-3, OLMo 2 ...),
+    as ``HFCausalLMModule`` parallelizes it (the axes it refuses for a config are asked of it, :meth:`adapter_refusal`):
     FSDP units = decoder layers, TP from the model's ``base_model_tp_plan`` plus a vocab-sharded embedding and LM
     head, pipeline units ``embed, layers..., norm, lm_head``."""
 
@@ -54,7 +55,7 @@ class CausalLMShape(ModelShape):
         self.cfg = cfg
         self.model_type = str(cfg.get("model_type", "llama"))
         self.name = f"hf:{self.model_type}"
-        self.supports_sequence_parallel = self.model_type in ("llama", "mistral", "qwen2")
+        self._adapter: dict[str, str | None] = {}  # (shared by the copies `on` makes: asked once per config)
         self.tp_degree = 1
         # integers >= 1, not int(...): int() truncates 64.7, and a 0 or a negative size plans an empty model or fails
         # later with an IndexError / ZeroDivisionError that names nothing
@@ -262,10 +263,64 @@ class CausalLMShape(ModelShape):
     def max_stages(self) -> int:
         return self.layers  # decoder layers (the embedding, final norm and head ride with the first / last)
 
+    @property
+    def supports_sequence_parallel(self) -> bool:  # type: ignore[override]  (a ModelShape field, asked of the model)
+        return self.adapter_refusal("sequence_parallel") is None
+
+    def adapter_refusal(self, axis: str) -> str | None:
+        """Why ``HFCausalLMModule`` refuses this config on ``axis`` (``"pipeline_parallel"``, ``"tensor_parallel"``,
+        ``"sequence_parallel"``), or None: asked of the module itself, built from the config on the meta device (no
+        weights allocated; about a second for an 80-layer config, plus importing transformers and Lightning), once
+        per config. A family of :data:`ADMITTED_FAMILIES` is known admitted without asking."""
+        if self.model_type in ADMITTED_FAMILIES:
+            return None
+        if not self._adapter:
+            self._adapter.update(_adapter_refusals(self.cfg))
+        return self._adapter[axis]
+
     def refusals(self, mesh: Mesh) -> list[str]:
         reasons = super().refusals(mesh)
-        if mesh.pp > 1 and self.model_type not in ("llama", "mistral", "qwen2"):
-            reasons.append(
-                f"pipeline_parallel: the HF adapter pipelines llama / mistral / qwen2, not {self.model_type}"
-            )
+        asked = (("pipeline_parallel", mesh.pp), ("tensor_parallel", mesh.tp), ("sequence_parallel", mesh.sp * mesh.tp))
+        for axis, degree in asked:  # (the adapter's reason beside the generic sequence-parallel one)
+            refusal = self.adapter_refusal(axis) if degree > 1 else None
+            if refusal is not None:
+                reasons.append(refusal if refusal.startswith(axis) else f"{axis}: {refusal}")
         return reasons
+
+
+ADMITTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2")
+"""``model_type`` values the HF adapter admits on every axis (each equal to one process under tp2, tp2 + sp and pp2 in
+``tests/distributed/test_hf_causal_lm.py``; ``tests/unit/test_planning.py`` asks the adapter that it still admits
+them): planned without importing transformers, which a login node may not have."""
+
+
+def _adapter_refusals(cfg: Mapping[str, Any]) -> dict[str, str | None]:
+    """:meth:`CausalLMShape.adapter_refusal` for each axis. The HF adapter reads what it can do from the decoder's
+    structure (:mod:`lightning_mm.models.hf.structure`), so the planner asks the same code the strategy will."""
+    import torch
+
+    axes = ("pipeline_parallel", "tensor_parallel", "sequence_parallel")
+    try:
+        from lightning_mm.models.hf import HFCausalLMModule
+
+        with torch.device("meta"):
+            module = HFCausalLMModule(config=dict(cfg))
+    except ImportError as error:
+        return dict.fromkeys(axes, f"the HF adapter needs transformers ({error})")
+    except (ValueError, KeyError, TypeError, AssertionError) as error:  # a model_type or config transformers refuses
+        return dict.fromkeys(axes, f"transformers cannot build this config ({error})")
+    refusals: dict[str, str | None] = {}
+    for axis, degrees, sequence_parallel in (
+        ("pipeline_parallel", {"pp": 2, "tp": 1}, False),
+        ("tensor_parallel", {"pp": 1, "tp": 2}, False),
+        ("sequence_parallel", {"pp": 1, "tp": 2}, True),
+    ):
+        try:
+            plan = module.parallel_plan(sequence_parallel=sequence_parallel, microbatches=1)
+            plan.check_degrees({"ep": 1, "dp": 1, **degrees})
+            if degrees["tp"] > 1:
+                dict(plan.tp_plan)
+            refusals[axis] = None
+        except ValueError as error:
+            refusals[axis] = str(error)
+    return refusals

@@ -175,7 +175,8 @@ class ModelShape:
         if mesh.sp and (mesh.tp == 1 or not self.supports_sequence_parallel):
             reasons.append(
                 "sequence_parallel needs tensor_parallel > 1 and a model whose sequence-parallel plan the planner "
-                "models (HF llama / mistral / qwen2, with or without pipeline parallel)"
+                "models (the HF adapter's causal LMs whose decoder layers it admits, with or without pipeline "
+                "parallel)"
             )
         return reasons
 

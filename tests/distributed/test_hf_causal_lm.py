@@ -51,7 +51,7 @@ from tests.helpers import (
     random_samples,
     run_distributed,
 )
-from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, hf_model, token_batches
+from tests.hf_models import FAMILIES, IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, hf_model, token_batches
 
 STEPS, SEED, CLIP, LR = 5, 0, 1.0, 3e-3
 GLOBAL_BATCH = 8
@@ -203,6 +203,8 @@ MODELS = {
     "user_llama": (LLAMA, llama_batches, {}),
     # rank 1's rows hold no image: its vision tower must still join the FSDP2 collectives (it hung before)
     "llava_text_rank": (LLAVA, functools.partial(packed_image_batches, text_only_half=True), {}),
+    # today's other decoder families (tests.hf_models.FAMILIES), found by their structure
+    **{family: (config, llama_batches, {}) for family, config in FAMILIES.items()},
 }
 
 
@@ -331,7 +333,8 @@ def _losses(run: dict) -> torch.Tensor:
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]
     + [(model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")]
     + [(model, "pp2_tp2_sp") for model in ("qwen2_tied", "llava")]  # (Llama's decoder: Qwen2's, without biases)
-    + [("llama_odd_length", "pp2_tp2_sp"), ("llama", "pp2_tp2_sp_embedding_stage")],
+    + [("llama_odd_length", "pp2_tp2_sp"), ("llama", "pp2_tp2_sp_embedding_stage")]
+    + [(family, mesh) for family in FAMILIES for mesh in ("tp2", "tp2_sp", "pp2")],  # (admitted by their structure)
 )
 def test_hf_model_matches_one_process(model, mesh):
     """float32 mesh == float32 one process, within the float32 noise floor (FLOAT32_* factors); the ratios are

@@ -16,15 +16,19 @@ from lightning_mm.models.hf.held import held_model_plan
 from lightning_mm.parallel.pipeline import explicit_split
 from lightning_mm.parallel.plans import resolve_plan, stage_plan
 from tests.helpers import random_samples
-from tests.hf_models import IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, hf_model
+from tests.hf_models import FAMILIES, IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, hf_model
 
 TEXT = {key: value for key, value in LLAMA.items() if key != "model_type"}
 DEGREES = {"pp": 1, "tp": 1, "ep": 1, "dp": 1}
 
 
 def module(model_type: str, **overrides) -> HFCausalLMModule:
+    """A tiny model: ``model_type`` one of transformers' (Llama's sizes), ``"llava"`` or a key of ``FAMILIES``."""
     torch.manual_seed(0)
-    config = copy.deepcopy(LLAVA) if model_type == "llava" else {"model_type": model_type, **TEXT}
+    if model_type == "llava":
+        config = copy.deepcopy(LLAVA)
+    else:
+        config = copy.deepcopy(FAMILIES.get(model_type, {"model_type": model_type, **TEXT}))
     config.update(overrides)
     return HFCausalLMModule(config=config)
 
@@ -44,8 +48,10 @@ def inputs(model_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     return ids, mask, positions, torch.randn(3, 3, 16, 16, generator=gen)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "llava"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "llava", *FAMILIES])
 def test_stages_compose_to_the_whole_model(model_type):
+    # (the families: Gemma 3's sliding-window and full-attention layers get their masks by index on every stage; its
+    # last stage soft-caps the logits as the causal LM's forward does)
     whole = module(model_type)
     ids, mask, positions, pixels = inputs(model_type)
     expected = whole(ids, mask, pixels, position_ids=positions)
@@ -82,9 +88,20 @@ def test_llava_tp_plan_is_the_text_decoders():
 
 
 def test_unknown_tp_style_is_refused_naming_the_entry():
-    lightning_module = module("qwen3", head_dim=8)
-    with pytest.raises(ValueError, match=r"q_norm.*replicated_with_grad_allreduce.*tp_plan"):
+    lightning_module = module("qwen3")
+    config = lightning_module.causal_lm.config
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.experts": "grouped_gemm"}
+    with pytest.raises(ValueError, match=r"'layers\.\*\.mlp\.experts'.*'grouped_gemm'.*tp_plan"):
         dict(lightning_module.parallel_plan().tp_plan)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_families_are_admitted_by_their_structure(family):
+    # (each against one process under tp2, tp2_sp and pp2: tests/distributed/test_hf_causal_lm.py)
+    plan = module(family).parallel_plan(sequence_parallel=True)
+    plan.check_degrees({**DEGREES, "pp": 2, "tp": 2})
+    styles = resolve_plan(module(family), plan.tp_plan)
+    assert len([fqn for fqn in styles if fqn.endswith("o_proj")]) == TEXT["num_hidden_layers"]
 
 
 def test_unknown_structure_names_what_is_missing():
@@ -97,11 +114,46 @@ def test_unknown_structure_names_what_is_missing():
         lightning_module.parallel_plan()
 
 
-def test_pipeline_of_an_unverified_family_is_refused():
-    check = module("gemma", head_dim=8).parallel_plan().check_degrees
-    check(DEGREES)  # data parallel is fine
-    with pytest.raises(ValueError, match=r"pipeline_parallel=2.*'gemma'.*pipeline_split"):
+@pytest.mark.parametrize(
+    "model_type, statement",
+    [
+        ("granite", r"modeling_granite\.py:\d+: `inputs_embeds = inputs_embeds \* self\.embedding_multiplier`"),
+        ("starcoder2", r"modeling_starcoder2\.py:\d+: `hidden_states = nn\.functional\.dropout\("),
+    ],
+)
+def test_pipeline_of_a_decoder_whose_forward_does_more_is_refused_naming_the_statement(model_type, statement):
+    # Granite scales the embeddings and Starcoder2 applies dropout to them inside the decoder's forward: a later stage,
+    # which hands the hidden states in as inputs_embeds, would apply them again.
+    check = module(model_type).parallel_plan().check_degrees
+    check({**DEGREES, "tp": 2})  # other axes are fine
+    with pytest.raises(ValueError, match=rf"pipeline_parallel=2.*{statement}.*pipeline_split"):
         check({**DEGREES, "pp": 2})
+
+
+def test_a_layer_that_is_not_attention_and_mlp_is_refused_for_packing_and_sequence_parallel():
+    from lightning_mm.models.hf.structure import packing_refusal, sequence_parallel_refusal
+
+    decoder = module("llama").causal_lm.model
+    assert packing_refusal(decoder) is None and sequence_parallel_refusal(decoder.layers[1]) is None
+    # a convolution carried along the row beside the attention (as in hybrid layers): it would reach across samples
+    decoder.layers[1].short_conv = torch.nn.Conv1d(32, 32, 3, padding=2, groups=32)
+    assert "LlamaDecoderLayer holds ['short_conv'] besides its attention" in packing_refusal(decoder)
+    assert "['short_conv']" in sequence_parallel_refusal(decoder.layers[1])
+    decoder.layers[1] = torch.nn.GRU(32, 32, batch_first=True)  # a recurrent layer in place of attention
+    assert packing_refusal(decoder) == "GRU has no self_attn and mlp children (it holds [])"
+
+
+def test_a_pruned_unit_keeps_its_plain_attributes():
+    from lightning_mm.parallel.pipeline import PassThrough, prune_units
+
+    decoder = module("gemma3").causal_lm.model
+    # (a decoder loop may read them off its layers: `causal_mask_mapping[decoder_layer.attention_type]`)
+    kinds = [(layer.self_attn.is_sliding, layer.self_attn.layer_idx) for layer in decoder.layers]
+    prune_units(decoder, [f"layers.{i}.self_attn" for i in range(4)], keep={"layers.0.self_attn"})
+    assert all(isinstance(layer.self_attn, PassThrough) for layer in decoder.layers[1:])
+    assert [(layer.self_attn.is_sliding, layer.self_attn.layer_idx) for layer in decoder.layers] == kinds
+    assert kinds[:2] == [(True, 0), (False, 1)]
+    assert not list(decoder.layers[1].self_attn.parameters())
 
 
 def test_tied_embeddings_are_accepted_on_every_axis():
@@ -152,6 +204,9 @@ def test_kv_heads_must_divide_over_tensor_parallel():
     _check_divisibility(lightning_module, styles, 2)
     with pytest.raises(ValueError, match=r"key/value heads"):
         _check_divisibility(lightning_module, styles, 4)  # 4 query heads split, but 2 KV heads cannot
+    # Phi-3's fused qkv_proj gathers its output ("colwise_gather_output"): every rank computes all heads
+    phi3 = module("phi3")
+    _check_divisibility(phi3, resolve_plan(phi3, phi3.parallel_plan().tp_plan), 4)
 
 
 def test_batches():
@@ -310,8 +365,9 @@ def test_sequence_parallel_plan_shards_the_residual_stream_between_the_tp_region
     head = resolve_plan(llama, pipelined.tp_plan)["model.lm_head"]
     assert head.output_layouts == (Shard(-1),) and not head.use_local_output
     assert pipelined.pipeline.sequence_shards and not llama.parallel_plan().pipeline.sequence_shards
-    with pytest.raises(ValueError, match=r"sequence-parallel plan is verified for the decoders .*'gemma'"):
-        dict(module("gemma").parallel_plan(sequence_parallel=True).tp_plan)
+    # Qwen3-Next's layers are one class, three of four holding linear attention (a recurrence along the sequence)
+    with pytest.raises(ValueError, match=r"sequence-parallel plan does not fit .*holds \['linear_attn', 'mlp'"):
+        dict(module("qwen3_next").parallel_plan(sequence_parallel=True).tp_plan)
 
 
 def test_a_tp_plan_typo_under_pipeline_parallel_is_refused_on_every_stage():

@@ -17,14 +17,15 @@ from lightning_mm.datamodules.stages import collate_one_per_row
 from lightning_mm.models.hf import HFCausalLMModule, ImageTokens, as_causal_lm_batch
 from lightning_mm.models.hf.parallelize import causal_lm_loss_sum, is_packed, layout_kwargs, segment_positions
 from tests.helpers import random_samples
-from tests.hf_models import LLAMA, VOCAB
+from tests.hf_models import FAMILIES, LLAMA, VOCAB
 
 TEXT = {key: value for key, value in LLAMA.items() if key != "model_type"}
 
 
 def _module(model_type: str) -> HFCausalLMModule:
+    """``model_type``: one of transformers' (Llama's sizes) or a key of ``FAMILIES``."""
     torch.manual_seed(0)
-    return HFCausalLMModule(config={"model_type": model_type, **TEXT})
+    return HFCausalLMModule(config=dict(FAMILIES.get(model_type, {"model_type": model_type, **TEXT})))
 
 
 def _loss_and_logits(module: HFCausalLMModule, batch, positions: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +43,7 @@ def _samples():
     return random_samples(7, vocab_size=VOCAB, patches=(1, 2), seed=3)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", *FAMILIES])
 def test_a_packed_row_trains_each_sample_as_a_row_of_its_own(model_type):
     module = _module(model_type).double()
     samples = _samples()
@@ -156,12 +157,12 @@ def test_positions_that_do_not_say_where_samples_start_are_refused():
     assert not is_packed(padded, torch.tensor([[0, 1, 2, 3, 4, 5]]))
 
 
-def test_packing_is_refused_for_models_not_known_to_keep_samples_apart():
+def test_packing_is_refused_for_models_whose_layers_carry_state_along_the_row():
     mask, positions = torch.ones(1, 6, dtype=torch.long), torch.tensor([[0, 1, 2, 0, 1, 2]])
-    torch.manual_seed(0)
-    gemma = HFCausalLMModule(config={"model_type": "gemma", **TEXT, "head_dim": 8})
-    with pytest.raises(ValueError, match=r"packed batch.*'gemma'.*regroup='none' or 'bucket'"):
-        layout_kwargs(gemma.causal_lm, mask, positions)
+    # Qwen3-Next: three of four layers hold linear attention, a recurrence along the row
+    qwen3_next = _module("qwen3_next")
+    with pytest.raises(ValueError, match=r"packed batch.*'qwen3_next'.*linear_attn.*regroup='none' or 'bucket'"):
+        layout_kwargs(qwen3_next.causal_lm, mask, positions)
     llama = _module("llama")
     assert layout_kwargs(llama.causal_lm, mask, positions).keys() == {"position_ids"}
     llama.causal_lm.config._attn_implementation = "flash_attention_2"

@@ -28,6 +28,7 @@ from lightning_mm.planning import (
     ring_reduce_scatter,
 )
 from lightning_mm.planning.estimates import _divisors, mesh_count
+from lightning_mm.planning.hf_shape import ADMITTED_FAMILIES
 
 # Every dim even, so FSDP over 2 ranks pads nothing and halves exactly.
 TINY_LLAMA = {
@@ -186,6 +187,31 @@ def test_expert_parallel_only_for_the_reference_experts(llama, vlm_tiny):
     assert {m.ep for m in candidate_meshes(llama, fp32(global_batch=4), hardware)[0]} == {1}
     reasons = vlm_tiny.refusals(Mesh(dp_shard=2, tp=2, ep=2))
     assert any("not supported" in r for r in reasons)
+
+
+def test_the_planner_asks_the_hf_adapter_what_it_refuses():
+    # The same structural checks the strategy meets (tests/unit/test_hf_models.py): Qwen3 is admitted on every axis,
+    # Granite's pipeline and Qwen3-Next's sequence parallel are refused with the adapter's reasons.
+    mesh = Mesh(pp=2, tp=2, sp=True)
+    assert not CausalLMShape({**TINY_LLAMA, "model_type": "qwen3", "head_dim": 4}).refusals(mesh)
+    (granite,) = CausalLMShape({**TINY_LLAMA, "model_type": "granite"}).refusals(mesh)
+    assert granite.startswith("pipeline_parallel=2: GraniteForCausalLM") and "embedding_multiplier" in granite
+    qwen3_next = CausalLMShape({**TINY_LLAMA, "model_type": "qwen3_next", "head_dim": 4}).refusals(mesh)
+    assert [r.split(" ")[0] for r in qwen3_next] == ["sequence_parallel", "sequence_parallel=True"], qwen3_next
+    assert "linear_attn" in qwen3_next[1]
+    assert not CausalLMShape({**TINY_LLAMA, "model_type": "qwen3_next", "head_dim": 4}).refusals(Mesh(pp=2, tp=2))
+    (unknown, *_) = CausalLMShape({**TINY_LLAMA, "model_type": "not_a_model"}).refusals(Mesh(pp=2))
+    assert unknown.startswith("pipeline_parallel: transformers cannot build this config") and "not_a_model" in unknown
+
+
+@pytest.mark.parametrize("family", ADMITTED_FAMILIES)
+def test_the_families_planned_without_asking_the_adapter_are_admitted_by_it(family):
+    from lightning_mm.planning.hf_shape import _adapter_refusals
+
+    extra = {"head_dim": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # (inside the tiny vocab)
+    assert _adapter_refusals({**TINY_LLAMA, "model_type": family, **extra}) == dict.fromkeys(
+        ("pipeline_parallel", "tensor_parallel", "sequence_parallel")
+    )
 
 
 def test_sequence_parallel_under_pipeline_parallel_where_the_strategy_has_it(llama, vlm_tiny):

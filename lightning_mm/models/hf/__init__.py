@@ -30,7 +30,6 @@ from lightning_mm.models.hf.export import export_pretrained
 from lightning_mm.models.hf.images import ImageTokens, llava_inputs, packed_mrope_position_ids
 from lightning_mm.models.hf.module import HFCausalLMModule
 from lightning_mm.models.hf.parallelize import (
-    PIPELINE_FAMILIES,
     PIPELINE_VISION_LANGUAGE,
     CausalLMObjective,
     CausalLMStage,
@@ -43,7 +42,6 @@ from lightning_mm.models.hf.parallelize import (
 from lightning_mm.models.hf.pretrained import load_pretrained, pretrained_key_map
 
 __all__ = [
-    "PIPELINE_FAMILIES",
     "PIPELINE_VISION_LANGUAGE",
     "CausalLMObjective",
     "CausalLMStage",

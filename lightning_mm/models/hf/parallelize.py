@@ -6,8 +6,10 @@ embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
 
 * **FSDP2 / activation-checkpointing units**: the decoder layers (embeddings, final norm and head form the root unit).
 * **Tensor parallel**: the model's own ``config.base_model_tp_plan`` (attention q/k/v colwise, o rowwise; MLP gate /
-  up colwise, down rowwise), whose patterns are relative to the decoder, resolved relative to the LightningModule;
-  grouped KV heads are split whole (``tensor_parallel`` must divide ``num_key_value_heads``). Two choices of ours,
+  up colwise, down rowwise), whose patterns are relative to the decoder, resolved relative to the LightningModule,
+  its styles mapped by :func:`_hf_style` (fused projections that gather their output, per-head norms; a style with
+  no equivalent is refused naming the entry); grouped KV heads are split whole (``tensor_parallel`` must divide
+  ``num_key_value_heads`` where the projections leave each rank its heads). Two choices of ours,
   since HF's own plan leaves them out or to its own loader: the **embedding is vocab-sharded**
   (``RowwiseParallel`` over the table's rows, output all-reduced, as torchtitan does) and the **LM head is
   vocab-sharded**: its logits stay sharded for a vocab-parallel loss (``loss_parallel``, ``HFCausalLMModule``'s
@@ -22,10 +24,13 @@ embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
   unchanged), then runs the decoder's *own* ``forward``:
   stage 0 from ``input_ids``, later stages from ``inputs_embeds`` = the previous stage's hidden states, so the
   rotary embeddings, position ids and the causal + padding mask are rebuilt by the model on every stage from the
-  hidden states and the ``attention_mask`` that travels with them. This relies on the decoder not transforming
-  ``inputs_embeds`` (Gemma scales them, for instance), so it is enabled for the families verified stage by stage
-  against the whole model (:data:`PIPELINE_FAMILIES`, ``tests/unit/test_hf_models.py``); for others use
-  ``pipeline_split`` on your own LightningModule (:func:`~lightning_mm.parallel.pipeline.sequential_pipeline_spec`).
+  hidden states and the ``attention_mask`` that travels with them; the last stage runs the causal LM's own forward
+  from there (the LM head and what the model does to the logits). This relies on the decoder's forward not
+  transforming ``inputs_embeds`` and applying only its layers and final norm to the stream, which is read in its code
+  (:func:`~lightning_mm.models.hf.structure.pipeline_refusal`: Llama, Mistral, Qwen2 / 3, Gemma 3, Phi-3, OLMo 2
+  pass and are verified against one process; Granite's ``embedding_multiplier`` is refused, naming the line); for
+  others use ``pipeline_split`` on your own LightningModule
+  (:func:`~lightning_mm.parallel.pipeline.sequential_pipeline_spec`).
   A tied embedding and LM head live on the first and the last stage: the copies start equal and their gradients
   are summed before each step (:mod:`lightning_mm.parallel.tied`, Megatron's scheme). Under sequence parallel the
   stages exchange each tp rank's sequence shard of the hidden states (:class:`CausalLMStage`; the decoder of every
@@ -69,6 +74,12 @@ from lightning_mm.models.hf.images import (
     llava_length,
     vision_without_images,
 )
+from lightning_mm.models.hf.structure import (
+    distinct_layers,
+    packing_refusal,
+    pipeline_refusal,
+    sequence_parallel_refusal,
+)
 from lightning_mm.parallel.collectives import all_reduce_sum, at_least_float32, group_size
 from lightning_mm.parallel.pipeline import PipelineSplit, prune_units
 from lightning_mm.parallel.plans import LinearOnSequenceShards
@@ -76,8 +87,6 @@ from lightning_mm.parallel.plans import is_sequence_type as _is_sequence_type
 from lightning_mm.parallel.protocol import ParallelPlan, PipelineObjective, PipelineSpec
 
 __all__ = [
-    "PACKING_FAMILIES",
-    "PIPELINE_FAMILIES",
     "PIPELINE_VISION_LANGUAGE",
     "CausalLMObjective",
     "CausalLMStage",
@@ -93,25 +102,51 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PIPELINE_FAMILIES = ("llama", "mistral", "qwen2")
-"""Text decoders (``model_type``) whose ``forward`` is verified to compose stage by stage."""
-
-SEQUENCE_PARALLEL_FAMILIES = PIPELINE_FAMILIES
-"""Text decoders whose layers' structure the sequence-parallel plan assumes (norms as children of each layer, the
-attention called with ``hidden_states=``, the MLP positionally), verified against one process."""
-
 PIPELINE_VISION_LANGUAGE = ("llava",)
-"""Vision-language models (``model_type``) whose base model's forward is verified as pipeline stage 0 (over one of
-:data:`PIPELINE_FAMILIES`)."""
+"""Vision-language models (``model_type``) whose base model's forward is verified as pipeline stage 0 (over a text
+decoder that :func:`~lightning_mm.models.hf.structure.pipeline_refusal` admits)."""
 
-_HF_STYLES: dict[str, Any] = {
-    "colwise": "colwise",
-    "rowwise": "rowwise",
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-}
-"""HF tensor-parallel style names -> lightning-mm styles (names of :data:`lightning_mm.parallel.plans.STYLES` or
-``ParallelStyle`` factories). Other HF styles (e.g. ``replicated_with_grad_allreduce``) are refused by name."""
+
+def _hf_style(name: str, sequence_parallel: bool) -> str | ParallelStyle | None:
+    """The lightning-mm style (a name of :data:`lightning_mm.parallel.plans.STYLES` or a ``ParallelStyle``) for a
+    ``base_model_tp_plan`` style of transformers 5 (``transformers.distributed.tensor_parallel``), or None for a style
+    with no equivalent here (refused by name: the MoE styles ``grouped_gemm`` / ``ep_dispatch_experts`` /
+    ``moe_tp_experts``, ``mla_kv_a_proj``, ``packed_*``, ``local_params`` ...).
+
+    ``replicated_with_grad_allreduce`` (Qwen3's and Gemma 3's per-head ``q_norm`` / ``k_norm``, between a colwise
+    projection and the attention): transformers keeps the weight plain and all-reduces its gradient in a hook; here
+    the weight is a ``Replicate`` DTensor and the input this rank's heads, a ``Shard(-2)`` DTensor of ``(..., heads,
+    head_dim)``, so DTensor's backward sums the partial gradient over tp and FSDP2 composes with it (torchtitan
+    places these norms alike). Under sequence parallel both rowwise styles reduce-scatter their output over the
+    sequence (``Shard(1)``) instead of all-reducing it."""
+    if name == "colwise":
+        return "colwise"
+    if name == "rowwise":
+        return "rowwise"  # (made a reduce-scatter by _sequence_parallel, with the rest of the plan)
+    if name == "colwise_gather_output":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise_split_input":
+        if sequence_parallel:
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "replicated_with_grad_allreduce":
+        return SequenceParallel(sequence_dim=-2, use_local_output=True)
+    if name == "embedding_rowwise":  # (the vocab-sharded embedding of hf_tp_plan replaces it in any case)
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "embedding_colwise":
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    return None
+
+
+_HF_STYLE_NAMES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "replicated_with_grad_allreduce",
+    "embedding_rowwise",
+    "embedding_colwise",
+)
 
 
 # ------------------------------------------------------------------------------------------------------ structure
@@ -304,8 +339,8 @@ def _sequence_parallel(root: nn.Module, layout: DecoderLayout, plan: dict[str, A
         for name, child in modules[layer].named_children():
             if _is_sequence_type(child):
                 out[f"{layer}.{name}"] = SequenceParallel()
-        # The attention is called with hidden_states=..., the MLP with it positionally (the families of
-        # SEQUENCE_PARALLEL_FAMILIES, verified against one process).
+        # The attention is called with hidden_states=..., the MLP with it positionally (read in the layer's code by
+        # structure.sequence_parallel_refusal before this plan is built).
         out[f"{layer}.self_attn"] = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
         )
@@ -315,6 +350,12 @@ def _sequence_parallel(root: nn.Module, layout: DecoderLayout, plan: dict[str, A
     )
     out[layout.norm] = SequenceParallel()
     return out
+
+
+def _layers_refusal(root: nn.Module, layout: DecoderLayout) -> str | None:
+    """:func:`sequence_parallel_refusal` of the decoder layers ``root`` holds, one per structure."""
+    layers = distinct_layers(map(root.get_submodule, layout.layers))
+    return next(filter(None, map(sequence_parallel_refusal, layers)), None)
 
 
 def hf_tp_plan(
@@ -340,20 +381,21 @@ def hf_tp_plan(
         )
     plan: dict[str, str | ParallelStyle] = {}
     for pattern, style in declared.items():
-        factory = _HF_STYLES.get(style)
-        if factory is None:
+        ours = _hf_style(style, sequence_parallel)
+        if ours is None:
             raise ValueError(
-                f"{type(config).__name__}.base_model_tp_plan entry {pattern!r}: {style!r} has no lightning-mm "
-                f"equivalent (known: {sorted(_HF_STYLES)}); pass tp_plan=... by hand for this model"
+                f"{type(config).__name__}.base_model_tp_plan entry {pattern!r}: the style {style!r} has no "
+                f"lightning-mm equivalent (known: {list(_HF_STYLE_NAMES)}); pass tp_plan=... by hand for this model"
             )
-        plan[f"{layout.decoder}.{pattern}"] = factory() if callable(factory) else factory
+        plan[f"{layout.decoder}.{pattern}"] = ours
     if root is not None:
         plan = _with_lora_adapters(root, plan, sequence_parallel)
     if sequence_parallel:
-        if root is None or layout.text_model_type not in SEQUENCE_PARALLEL_FAMILIES:
+        refusal = "it is not called from a LightningModule" if root is None else _layers_refusal(root, layout)
+        if refusal is not None:
             raise ValueError(
-                f"sequence_parallel=True: the HF adapter's sequence-parallel plan is verified for the decoders "
-                f"{list(SEQUENCE_PARALLEL_FAMILIES)}, not {layout.text_model_type!r}; use sequence_parallel=False"
+                f"sequence_parallel=True for {type(lm).__name__}: the HF adapter's sequence-parallel plan does not fit "
+                f"its decoder layers ({refusal}); use sequence_parallel=False"
             )
         plan = _sequence_parallel(root, layout, plan)
     plan[layout.embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -444,10 +486,6 @@ def segment_positions(segment: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
-PACKING_FAMILIES = ("llama", "mistral", "qwen2")
-"""Text decoders (``model_type``) verified to train a packed row as its samples one per row (every layer attention,
-masks built by ``masking_utils``); a packed batch for another model is refused (recurrent, SSM or convolution layers
-would carry state from one sample into the next)."""
 PACKING_ATTENTION = ("sdpa", "eager")
 """``attn_implementation`` values for packed rows (flash attention detects packed samples only in one-row batches)."""
 
@@ -492,11 +530,11 @@ def layout_kwargs(
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     family = str(getattr(text_config, "model_type", ""))
     attention = getattr(config, "_attn_implementation", None) or "sdpa"
-    if family not in PACKING_FAMILIES:
+    refusal = packing_refusal(lm.get_decoder())
+    if refusal is not None:
         raise ValueError(
-            f"a packed batch (several samples per row) for {type(lm).__name__} ({family!r}): packing is verified for "
-            f"the text decoders {list(PACKING_FAMILIES)} only (layers other than attention would carry state from one "
-            "sample into the next); use regroup='none' or 'bucket' in the DataModule"
+            f"a packed batch (several samples per row) for {type(lm).__name__} ({family!r}): its samples would not be "
+            f"kept apart ({refusal}); use regroup='none' or 'bucket' in the DataModule"
         )
     if attention not in PACKING_ATTENTION:
         raise ValueError(
@@ -631,9 +669,13 @@ class CausalLMStage(nn.Module):
                     hidden = self._entry[0](input_ids=x, **kwargs).last_hidden_state
             else:
                 hidden = self._entry[0](input_ids=x, **kwargs).last_hidden_state
+        elif self.last:
+            # The causal LM's own forward: its decoder from the hidden states, the LM head, and what the model does to
+            # the logits after it (Gemma's final soft-capping, Granite's logits_scaling), as without pipelining.
+            return self.lm(inputs_embeds=x, **kwargs).logits
         else:
             hidden = self.lm.get_decoder()(inputs_embeds=x, **kwargs).last_hidden_state
-        if self.last:
+        if self.last:  # (one stage holding everything)
             return self.lm.get_output_embeddings()(hidden)
         if isinstance(hidden, DTensor):
             # Sequence parallel: the last layer's output is a Shard(1) DTensor. Send this tp rank's shard
@@ -736,16 +778,22 @@ def causal_lm_parallel_plan(
         sharded_logits[0] = loss_parallel and degrees["tp"] > 1 and (degrees["pp"] == 1 or _pipelining_takes_dtensors())
         shard_multiple[0] = degrees["tp"] if sequence_parallel and degrees["pp"] > 1 else 1
         lazy_plan.reset()  # (the plan depends on sharded_logits)
-        known = layout.text_model_type in PIPELINE_FAMILIES and (
-            not layout.stem or layout.model_type in PIPELINE_VISION_LANGUAGE
-        )
-        if degrees["pp"] > 1 and not known:
-            raise ValueError(
-                f"pipeline_parallel={degrees['pp']}: the HF adapter pipelines the text decoders "
-                f"{list(PIPELINE_FAMILIES)} and the vision-language models {list(PIPELINE_VISION_LANGUAGE)} "
-                f"(verified stage by stage), not {layout.model_type!r}; wrap your model in a LightningModule whose "
-                "forward is a chain of layers and pass pipeline_split=[...] with a pipeline_loss hook instead"
-            )
+        if degrees["pp"] > 1:
+            decoder = root.get_submodule(layout.decoder)
+            parts = (layout.embed, layout.layers[0].rpartition(".")[0], layout.norm)
+            names = [unit.rpartition(".")[2] for unit in parts]
+            refusal = pipeline_refusal(decoder, *names)
+            if layout.stem and layout.model_type not in PIPELINE_VISION_LANGUAGE:
+                refusal = (
+                    f"the vision-language models verified as stage 0 are {list(PIPELINE_VISION_LANGUAGE)}, not "
+                    f"{layout.model_type!r}"
+                )
+            if refusal is not None:
+                raise ValueError(
+                    f"pipeline_parallel={degrees['pp']}: {type(lm).__name__} cannot run stage by stage through its "
+                    f"own forward: {refusal}. Wrap your model in a LightningModule whose forward is a chain of layers "
+                    "and pass pipeline_split=[...] with a pipeline_loss hook instead"
+                )
         if degrees["ep"] > 1:
             raise ValueError(f"expert_parallel={degrees['ep']}: {type(lm).__name__} declares no experts")
 

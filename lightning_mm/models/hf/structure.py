@@ -1,0 +1,238 @@
+"""What the HF adapter reads in a decoder's *code* before it pipelines, sequence-parallelises or packs it.
+
+Pipeline stages run the decoder's own ``forward`` with the units other stages hold replaced by pass-throughs
+(:mod:`lightning_mm.models.hf.parallelize`): stage 0 from ``input_ids``, later stages from ``inputs_embeds`` = the
+previous stage's hidden states. That composes to the whole model exactly when the forward (1) turns
+``inputs_embeds`` into the layers' input unchanged (Granite multiplies it by ``embedding_multiplier``: a later stage
+would multiply the hidden states again), (2) runs the layers in one loop over its layer list, each layer taking the
+residual stream as its first argument and nothing else rewriting it inside the loop, and (3) applies only the final
+norm after the loop. Rather than a list of families, :func:`pipeline_refusal` checks these three properties in the
+forward's syntax tree (``inspect`` + ``ast``; what the forward computes from its arguments, rotary tables and masks,
+is rebuilt alike on every stage and needs no check).
+
+Sequence parallel (:func:`sequence_parallel_refusal`) assumes the layer's structure: its children are the attention
+``self_attn`` (called with ``hidden_states=...``), the MLP ``mlp`` (called with the stream as its one positional
+argument), and norms or dropout applied to the stream.
+
+Packed rows (:func:`packing_refusal`) need the same layer structure, so that nothing carries state along a row from
+one sample into the next, and masks built by transformers' ``masking_utils``, which keep each sample's attention
+inside it. Layers are read one per structure (:func:`distinct_layers`): a model may mix layer kinds in one class.
+
+A refusal names the class, the file and line, and the statement, so that a user can see why and parallelize by hand.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import textwrap
+from collections.abc import Callable, Iterable
+
+from torch import nn
+
+from lightning_mm.parallel.pipeline import PassThrough
+from lightning_mm.parallel.plans import is_sequence_type
+
+__all__ = ["distinct_layers", "packing_refusal", "pipeline_refusal", "sequence_parallel_refusal"]
+
+
+def _forward_tree(module: nn.Module) -> tuple[ast.FunctionDef, Callable[[ast.AST], str]] | str:
+    """The syntax tree of ``type(module).forward`` and a function naming a node's place and text; or why not."""
+    forward = inspect.unwrap(type(module).forward)
+    try:
+        source = textwrap.dedent(inspect.getsource(forward))
+        filename = inspect.getsourcefile(forward) or "?"
+        first_line = inspect.getsourcelines(forward)[1]
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError) as err:
+        return f"the source of {type(module).__name__}.forward cannot be read ({err})"
+    function = tree.body[0]
+    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return f"{type(module).__name__}.forward is not a plain function"
+
+    def where(node: ast.AST) -> str:
+        return f"{filename}:{first_line + node.lineno - 1}: `{ast.unparse(node)}`"
+
+    return function, where
+
+
+def _is_self_attribute(node: ast.AST, names: set[str]) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and (node.attr in names)
+    )
+
+
+def _assignments(tree: ast.AST, name: str) -> list[ast.stmt]:
+    """Statements under ``tree`` that bind ``name`` (``=``, ``+=``, annotated, walrus aside)."""
+    found: list[ast.stmt] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in ast.walk(target)]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            found.append(node)
+    return found
+
+
+def pipeline_refusal(decoder: nn.Module, embed: str, layers: str, norm: str) -> str | None:
+    """Why the decoder's ``forward`` cannot run stage by stage (module docstring), or None when it can.
+
+    ``embed``, ``layers``, ``norm``: the decoder's attribute names of its embedding, layer list and final norm."""
+    parsed = _forward_tree(decoder)
+    if isinstance(parsed, str):
+        return parsed
+    function, where = parsed
+    name = type(decoder).__name__
+    if "inputs_embeds" not in {a.arg for a in function.args.args + function.args.kwonlyargs}:
+        return f"{name}.forward takes no inputs_embeds (later stages pass the hidden states as inputs_embeds)"
+    loops = [
+        node
+        for node in ast.walk(function)
+        if isinstance(node, ast.For) and any(_is_self_attribute(n, {layers}) for n in ast.walk(node.iter))
+    ]
+    if len(loops) != 1:
+        return f"{name}.forward does not run its layers in one loop over self.{layers} ({len(loops)} loops)"
+    (loop,) = loops
+    target = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) else loop.target
+    if not isinstance(target, ast.Name):
+        return f"{name}.forward's loop over self.{layers} binds no layer name: {where(loop.target)}"
+    calls = [
+        node
+        for node in ast.walk(loop)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == target.id
+    ]
+    if len(calls) != 1 or not calls[0].args or not isinstance(calls[0].args[0], ast.Name):
+        return f"{name}.forward does not call each layer once with the residual stream as its first argument"
+    stream = calls[0].args[0].id
+    in_loop = _assignments(loop, stream)
+    if len(in_loop) != 1 or not (isinstance(in_loop[0], ast.Assign) and in_loop[0].value is calls[0]):
+        odd = next((s for s in in_loop if not (isinstance(s, ast.Assign) and s.value is calls[0])), loop)
+        return f"{name}.forward rewrites the residual stream inside the layer loop besides the layer call: {where(odd)}"
+    embeddings = {embed, "get_input_embeddings"}
+    for statement in _assignments(function, "inputs_embeds"):
+        value = getattr(statement, "value", None)
+        call = value.func if isinstance(value, ast.Call) else None
+        made = _is_self_attribute(call, embeddings) or (
+            isinstance(call, ast.Call) and _is_self_attribute(call.func, {"get_input_embeddings"})
+        )
+        if isinstance(statement, ast.AugAssign) or not made:
+            return (
+                f"{name}.forward transforms inputs_embeds ({where(statement)}); a later pipeline stage, which passes "
+                "the previous stage's hidden states as inputs_embeds, would apply it again"
+            )
+    for statement in _assignments(function, stream):
+        if statement.lineno < loop.lineno:
+            plain = isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Name)
+            if not (plain and statement.value.id == "inputs_embeds"):
+                return (
+                    f"{name}.forward computes the layers' input other than as inputs_embeds ({where(statement)}); a "
+                    "later pipeline stage would apply it to the previous stage's hidden states again"
+                )
+        elif statement.lineno > loop.end_lineno:
+            value = getattr(statement, "value", None)
+            normed = (
+                isinstance(value, ast.Call)
+                and _is_self_attribute(value.func, {norm})
+                and [ast.unparse(a) for a in value.args] == [stream]
+            )
+            if not normed:
+                return (
+                    f"{name}.forward changes the hidden states after its layers other than by self.{norm} "
+                    f"({where(statement)}); every pipeline stage runs that code, not only the last"
+                )
+    return None
+
+
+def _layer_parts_refusal(layer: nn.Module) -> str | None:
+    """None when the layer's children are ``self_attn``, ``mlp`` and norms or dropout only."""
+    name = type(layer).__name__
+    children = dict(layer.named_children())
+    if "self_attn" not in children or "mlp" not in children:
+        return f"{name} has no self_attn and mlp children (it holds {list(children)})"
+    other = [n for n, child in children.items() if n not in ("self_attn", "mlp") and not is_sequence_type(child)]
+    if other:
+        return f"{name} holds {other} besides its attention, MLP and norms"
+    return None
+
+
+_PACKING_REFUSALS: dict[tuple, str | None] = {}  # (decoder class, layers' structure) -> packing_refusal
+
+
+def packing_refusal(decoder: nn.Module) -> str | None:
+    """Why packed rows (several samples per row, told apart by ``position_ids`` restarting at 0) would mix samples in
+    this decoder, or None: every layer is attention, MLP and norms (no recurrent, state-space or convolution state
+    carried along the row) and the forward builds its masks with transformers' ``masking_utils``, which finds the
+    packed samples from the positions (``find_packed_sequence_indices``). Read once per decoder structure."""
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return f"{type(decoder).__name__} has no layers list"
+    held = distinct_layers(layers)
+    # keyed by what the verdict reads, not by module references: a layer given another child is read again
+    key = (type(decoder), *map(_structure, held))
+    if key not in _PACKING_REFUSALS:
+        _PACKING_REFUSALS[key] = _find_packing_refusal(decoder, held)
+    return _PACKING_REFUSALS[key]
+
+
+def _structure(layer: nn.Module) -> tuple:
+    return (type(layer), *((name, type(child)) for name, child in layer.named_children()))
+
+
+def distinct_layers(layers: Iterable[nn.Module]) -> list[nn.Module]:
+    """One layer of each structure (class and children's names and classes: Qwen3-Next's layers are one class
+    holding ``self_attn`` or ``linear_attn``) among ``layers``, in order. A pipeline stage holds ``PassThrough`` in
+    place of the other stages' layers: left out, those stages check their own."""
+    found: dict[tuple, nn.Module] = {}
+    for layer in layers:
+        if not isinstance(layer, PassThrough):
+            found.setdefault(_structure(layer), layer)
+    return list(found.values())
+
+
+def _find_packing_refusal(decoder: nn.Module, layers: list[nn.Module]) -> str | None:
+    for layer in layers:
+        refusal = _layer_parts_refusal(layer)
+        if refusal is not None:
+            return refusal
+    parsed = _forward_tree(decoder)
+    if isinstance(parsed, str):
+        return parsed
+    function, _ = parsed
+    # The names the forward reads (called or not: Mistral picks `mask_function = create_causal_mask if ... else
+    # create_sliding_window_causal_mask` first), resolved in the decoder's module.
+    namespace = vars(sys.modules[type(decoder).__module__])
+    read = {node.id for node in ast.walk(function) if isinstance(node, ast.Name)}
+    makers = [name for name in read if getattr(namespace.get(name), "__module__", None) == _MASKING_UTILS]
+    if not any(name.startswith("create_") and "mask" in name for name in makers):
+        return f"{type(decoder).__name__}.forward builds no mask with {_MASKING_UTILS} (create_*_mask)"
+    return None
+
+
+_MASKING_UTILS = "transformers.masking_utils"
+
+
+def sequence_parallel_refusal(layer: nn.Module) -> str | None:
+    """Why the sequence-parallel plan does not fit a decoder layer (module docstring), or None when it does."""
+    name = type(layer).__name__
+    refusal = _layer_parts_refusal(layer)
+    if refusal is not None:
+        return f"{refusal} (their inputs would be sequence shards)"
+    parsed = _forward_tree(layer)
+    if isinstance(parsed, str):
+        return parsed
+    function, where = parsed
+    for node in ast.walk(function):
+        if not (isinstance(node, ast.Call) and _is_self_attribute(node.func, {"self_attn", "mlp"})):
+            continue
+        if node.func.attr == "self_attn" and not any(k.arg == "hidden_states" for k in node.keywords):
+            return f"{name} calls its attention without hidden_states=...: {where(node)}"
+        if node.func.attr == "mlp" and (len(node.args) != 1 or node.keywords):
+            return f"{name} calls its MLP other than with the hidden states alone: {where(node)}"
+    return None
