@@ -8,7 +8,8 @@ Layout of a checkpoint directory (what :class:`~lightning_mm.strategies.HybridPa
                                   callbacks, hyper-parameters, DataModule state) + "lightning_mm_topology"
       topology.json               the same topology, human-readable
       COMPLETE                    written last: the files above and their sizes (JSON); a directory without it is
-                                  an interrupted save and is refused
+                                  an interrupted save and is refused (a directory of Lightning's
+                                  ModelParallelStrategy, which writes none, is recognised: check_finished)
 
 Saves are crash-safe: every rank writes into a hidden sibling ``.NAME.partial``; rank 0 writes ``COMPLETE`` last
 (fsync'd) and then swaps the finished directory into place in one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux;
@@ -47,6 +48,7 @@ from lightning_mm.checkpoint.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    NotACheckpointError,
     UnsafeCheckpointError,
 )
 from lightning_mm.checkpoint.files import SafeFileSystemReader, SafeLoadPlanner
@@ -54,6 +56,7 @@ from lightning_mm.checkpoint.hf_safetensors import load_safetensors, safetensors
 from lightning_mm.checkpoint.publish import check_complete, fsync_path, recover_checkpoint, write_atomically
 from lightning_mm.checkpoint.safe_pickle import safe_load
 from lightning_mm.checkpoint.sharded import (
+    check_finished,
     consolidate,
     consolidate_main,
     is_sharded_checkpoint,
@@ -74,10 +77,12 @@ __all__ = [
     "CheckpointMismatchError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "NotACheckpointError",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
     "check_complete",
+    "check_finished",
     "consolidate",
     "consolidate_main",
     "fsync_path",

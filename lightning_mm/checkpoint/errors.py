@@ -28,5 +28,12 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     """A readable checkpoint that does not fit what it is loaded into (missing keys, other tensor shapes)."""
 
 
-class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
-    """A checkpoint directory whose save did not finish (no ``COMPLETE`` marker) or whose files changed since."""
+class IncompleteCheckpointError(CheckpointError, FileNotFoundError, ValueError):
+    """A checkpoint directory whose save did not finish (no ``COMPLETE`` marker) or whose files changed since. Also a
+    ``ValueError``: what Lightning's ``ModelParallelStrategy`` raises for a path that holds no valid checkpoint, so
+    code written for it catches this too."""
+
+
+class NotACheckpointError(CheckpointError, FileNotFoundError, ValueError):
+    """A path that is neither a checkpoint directory nor a checkpoint file (missing, or something else). Both the
+    ``FileNotFoundError`` it is and the ``ValueError`` Lightning's ``ModelParallelStrategy`` raises for it."""

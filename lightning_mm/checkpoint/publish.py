@@ -119,8 +119,9 @@ def check_complete(path: str | Path) -> None:
     except (FileNotFoundError, NotADirectoryError):
         raise IncompleteCheckpointError(
             f"checkpoint directory {str(path)!r} is incomplete: it has no {COMPLETE_FILE} marker, so the save that "
-            "wrote it did not finish (the process was killed or failed while saving); resume from an earlier "
-            "checkpoint"
+            "wrote it did not finish (the process was killed or failed while saving), and it is not a finished "
+            "directory of Lightning's ModelParallelStrategy either (.metadata and meta.pt without a lightning-mm "
+            "topology); resume from an earlier checkpoint"
         ) from None
     try:
         listed = json.loads(data)["files"]

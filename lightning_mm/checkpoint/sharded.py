@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_mm.checkpoint.errors import (
+    COMPLETE_FILE,
     METADATA_FILE,
     MODEL_KEY,
     TOPOLOGY_FILE,
@@ -30,6 +32,7 @@ from lightning_mm.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    IncompleteCheckpointError,
 )
 from lightning_mm.checkpoint.files import (
     SafeLoadPlanner,
@@ -53,6 +56,8 @@ from lightning_mm.checkpoint.publish import (
 from lightning_mm.checkpoint.safe_pickle import safe_load
 from lightning_mm.validation import escapes_directory
 
+log = logging.getLogger(__name__)
+
 
 def _optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
@@ -62,6 +67,33 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     """True for a DCP checkpoint directory written by :func:`save_sharded`."""
     path = Path(path)
     return path.is_dir() and (path / ".metadata").is_file() and (path / METADATA_FILE).is_file()
+
+
+def check_finished(path: str | Path, weights_only: bool | None = True) -> str:
+    """Raise unless ``path`` is a finished checkpoint directory: one of ours whose ``COMPLETE`` marker vouches for its
+    files (:func:`check_complete`), or one written by Lightning's ``ModelParallelStrategy`` (the same DCP layout and
+    ``meta.pt``, which Lightning writes last, with no marker and no lightning-mm topology), so a run can move to this
+    strategy from Lightning's. Returns ``"lightning-mm"`` or ``"ModelParallelStrategy"``.
+
+    A save of ours always records its topology in ``meta.pt``, so an interrupted one (killed before its marker) is
+    still refused as :class:`IncompleteCheckpointError`; so is a Lightning directory without ``meta.pt`` (its DCP
+    save finished, the metadata was never written)."""
+    path = Path(path)
+    try:
+        check_complete(path)
+        return "lightning-mm"
+    except IncompleteCheckpointError:
+        if not path.is_dir() or (path / TOPOLOGY_FILE).exists() or not is_sharded_checkpoint(path):
+            raise
+        if TOPOLOGY_KEY in _read_meta(path, weights_only):
+            raise
+    log.info(
+        "checkpoint %s was written by Lightning's ModelParallelStrategy (no %s marker and no lightning-mm topology): "
+        "loading it; its files are not checked against the sizes a marker would list",
+        path,
+        COMPLETE_FILE,
+    )
+    return "ModelParallelStrategy"
 
 
 def save_sharded(
@@ -171,7 +203,7 @@ def load_sharded(
     job whose process group is initialised (e.g. an export on rank 0). Returns the metadata (``meta.pt``).
     """
     path = _newest_complete(Path(path))
-    check_complete(path)
+    check_finished(path, weights_only)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(
             f"{str(path)!r} is not a sharded checkpoint directory (expected .metadata and {METADATA_FILE} inside it)"
@@ -206,7 +238,7 @@ def load_sharded(
 def model_tensor_shapes(path: str | Path, weights_only: bool | None = True) -> dict[str, torch.Size]:
     """``{fqn: shape}`` of every model tensor in the checkpoint directory ``path`` (its ``.metadata`` only)."""
     path = _newest_complete(Path(path))
-    check_complete(path)
+    check_finished(path, weights_only)
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from lightning_mm.checkpoint.files import SafeFileSystemReader
@@ -287,7 +319,7 @@ def consolidate(checkpoint_dir: str | Path, output: str | Path, weights_only: bo
     given, output = Path(checkpoint_dir), Path(output)
     checkpoint_dir = _newest_complete(given)
     if checkpoint_dir.is_dir():
-        check_complete(checkpoint_dir)
+        check_finished(checkpoint_dir, weights_only)
     if not is_sharded_checkpoint(checkpoint_dir):
         raise FileNotFoundError(
             f"CKPT_DIR {str(checkpoint_dir)!r} is not a sharded checkpoint directory "

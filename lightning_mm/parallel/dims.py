@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_mm.validation import is_integer, require_int
 
-__all__ = ["MeshAxis", "ParallelDims", "check_divisible"]
+__all__ = ["MeshAxis", "MeshSizeError", "ParallelDims", "check_divisible"]
 
 
 class MeshAxis(str, enum.Enum):
@@ -86,6 +86,11 @@ def _normalize_axis(axis: str | MeshAxis) -> str:
     return axis.value if isinstance(axis, MeshAxis) else str(axis)
 
 
+class MeshSizeError(ValueError, RuntimeError):
+    """The parallel degrees do not fit the world size. A ``ValueError`` (a wrong argument) that is also the
+    ``RuntimeError`` Lightning's ``ModelParallelStrategy`` raises for it, so either ``except`` clause catches it."""
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Parallel degrees over ``world_size`` ranks: ``dp_replicate * dp_shard * tp * pp == world_size``.
@@ -115,7 +120,7 @@ class ParallelDims:
         others = self.dp_replicate * self.tp * self.pp
         if dp_shard == -1:
             if self.world_size % others:
-                raise ValueError(
+                raise MeshSizeError(
                     f"data_parallel_shard='auto' needs the world size {self.world_size} to be divisible by "
                     f"data_parallel_replicate * tensor_parallel * pipeline_parallel = {others} "
                     f"({self.dp_replicate} * {self.tp} * {self.pp})"
@@ -123,7 +128,7 @@ class ParallelDims:
             dp_shard = self.world_size // others
         product = others * dp_shard
         if product != self.world_size:
-            raise ValueError(
+            raise MeshSizeError(
                 f"data_parallel_replicate * data_parallel_shard * tensor_parallel * pipeline_parallel = {product} "
                 f"does not equal the world size {self.world_size} "
                 f"({self.dp_replicate} * {dp_shard} * {self.tp} * {self.pp})"
@@ -304,7 +309,7 @@ class ParallelDims:
                 "(torch.distributed.init_process_group)"
             )
         if dist.get_world_size() != self.world_size:
-            raise ValueError(
+            raise MeshSizeError(
                 f"world_size={self.world_size} does not match the process group's world size {dist.get_world_size()}"
             )
         world = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=WORLD_AXES)

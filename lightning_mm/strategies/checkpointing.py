@@ -172,8 +172,8 @@ def load(
     if path.is_file():
         return _load_full(path, model, optimizers, strict, weights_only, topology)
     if not path.is_dir():
-        raise FileNotFoundError(f"ckpt_path {str(path)!r} is neither a sharded checkpoint directory nor a file")
-    ckpt.check_complete(path)  # an interrupted save is refused, naming the directory
+        raise ckpt.NotACheckpointError(f"ckpt_path {str(path)!r} is neither a sharded checkpoint directory nor a file")
+    ckpt.check_finished(path, weights_only)  # an interrupted save is refused, naming the directory
     saved = ckpt.read_topology(path, weights_only=weights_only)
     now = topology()
     check_expert_layout(saved or {}, path, now["expert_layout"])

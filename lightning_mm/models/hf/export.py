@@ -35,7 +35,7 @@ __all__ = ["export_main", "export_pretrained", "load_module"]
 
 def _read_hparams(path: Path, weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
     if path.is_dir():
-        ckpt.check_complete(path)
+        ckpt.check_finished(path, weights_only)
         metadata = _read_meta(path, weights_only)  # (inside the directory, no link followed; a dict)
     elif path.is_file():
         metadata = ckpt.safe_load(path, str(path), weights_only, map_location="cpu")
