@@ -130,6 +130,11 @@ def llama_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
     return [batches[step % 2] for step in range(STEPS)]
 
 
+def tensor_batches(dp_rank: int, dp: int) -> list[torch.Tensor]:
+    """:func:`llama_batches` as plain ``(R, T)`` input-id tensors, every token real (no padding to mask)."""
+    return [batch["input_ids"] for batch in llama_batches(dp_rank, dp)]
+
+
 def image_text_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
     """As :func:`token_batches`, each row prefixed by one image's placeholder tokens, with its pixels."""
     pixels = torch.randn(2, GLOBAL_BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(11))
@@ -201,6 +206,7 @@ MODELS = {
     "qwen2_tied": ({**LLAMA, "model_type": "qwen2", "tie_word_embeddings": True}, llama_batches, {}),
     # a user's LightningModule holding an LlamaForCausalLM, no plan and no split given (UserCausalLM)
     "user_llama": (LLAMA, llama_batches, {}),
+    "user_llama_tensor": (LLAMA, tensor_batches, {}),  # batches of plain input-id tensors (issue 55)
     # rank 1's rows hold no image: its vision tower must still join the FSDP2 collectives (it hung before)
     "llava_text_rank": (LLAVA, functools.partial(packed_image_batches, text_only_half=True), {}),
     # today's other decoder families (tests.hf_models.FAMILIES), found by their structure
@@ -222,7 +228,9 @@ class UserCausalLM(L.LightningModule):
         self.model = hf_model(config)
         self.learning_rate = learning_rate
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict | torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, torch.Tensor):  # plain input ids, the labels the same (the model shifts them)
+            return self.model(input_ids=batch, labels=batch).loss
         return self.model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
         ).loss
@@ -329,6 +337,7 @@ def _losses(run: dict) -> torch.Tensor:
     + [("llava_text_rank", "fsdp2")]
     + [("qwen2_tied", "pp2"), ("qwen2_tied", "pp2_fsdp2"), ("llama_lora", "tp2_fsdp2")]  # (tp2 without sp: llama)
     + [("user_llama", mesh) for mesh in ("tp2", "pp2", "tp2_sp", "pp2_tp2_sp")]  # (the held model's plan)
+    + [("user_llama_tensor", "pp2")]
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]
     + [(model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")]

@@ -427,17 +427,21 @@ def as_causal_lm_batch(batch: Any, images: ImageTokens | None = None) -> dict[st
     (``regroup: pack``; its ``labels`` are next-token targets within each caption already; the images are ignored
     by a text model; for a LLaVA-style model, ``images`` from :meth:`ImageTokens.of`, each sample's image tokens go
     before its caption and its patches become ``pixel_values``: :func:`~lightning_mm.models.hf.images.llava_inputs`),
-    or a mapping with ``input_ids`` and optional ``attention_mask`` / ``labels`` / ``position_ids`` in Hugging Face's
-    convention (``labels`` aligned with ``input_ids``, shifted here; default: the input ids where the mask is 1;
-    packed sequences as transformers' ``DataCollatorWithFlattening`` writes them: ``position_ids`` restarting at 0 at
-    each sequence, a label of -100 on each sequence's first token). ``targets[:, t]`` is the token to predict at
-    position ``t``, ``-100`` for none; ``attention_mask`` is 1 on real tokens.
+    a ``(R, T)`` integer tensor (the input ids, every token a label, as a module's ``self.model(input_ids=batch,
+    labels=batch)`` trains), or a mapping with ``input_ids`` and optional ``attention_mask`` / ``labels`` /
+    ``position_ids`` in Hugging Face's convention (``labels`` aligned with ``input_ids``, shifted here; default:
+    the input ids where the mask is 1; packed sequences as transformers' ``DataCollatorWithFlattening`` writes
+    them: ``position_ids`` restarting at 0 at each sequence, a label of -100 on each sequence's first token).
+    ``targets[:, t]`` is the token to predict at position ``t``, ``-100`` for none; ``attention_mask`` is 1 on real
+    tokens.
 
     ``position_ids`` restart at 0 at every sample, and at the start of padding. Rows of one sample are given to the
     model with their ``attention_mask``, as before packing existed; a batch with a packed row with its positions
     and without a mask (:func:`layout_kwargs`), so transformers' masks keep every token's attention inside its own
     sample (``masking_utils.find_packed_sequence_indices``). No target crosses into the next sample.
     """
+    if isinstance(batch, torch.Tensor) and batch.ndim == 2 and not batch.is_floating_point():
+        batch = {"input_ids": batch}  # (what `self.model(input_ids=batch, labels=batch)` trains on: every token)
     if isinstance(batch, MultimodalBatch):
         if images is not None:
             return llava_inputs(batch, images)
@@ -472,8 +476,9 @@ def as_causal_lm_batch(batch: Any, images: ImageTokens | None = None) -> dict[st
             out["pixel_values"] = batch["pixel_values"]
         return out
     raise TypeError(
-        f"a causal LM batch must be a MultimodalBatch or a mapping with 'input_ids' (and optional "
-        f"'attention_mask', 'labels', 'position_ids'), got {type(batch).__name__}"
+        f"a causal LM batch must be a MultimodalBatch, an (R, T) integer tensor of input ids, or a mapping with "
+        f"'input_ids' (and optional 'attention_mask', 'labels', 'position_ids'), got {type(batch).__name__}"
+        + (f" of shape {tuple(batch.shape)} and dtype {batch.dtype}" if isinstance(batch, torch.Tensor) else "")
     )
 
 
