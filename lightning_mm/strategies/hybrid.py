@@ -62,25 +62,12 @@ from lightning_mm.strategies._compat import (
 )
 from lightning_mm.strategies.checkpoint_io import AtomicCheckpointIO
 from lightning_mm.strategies.checkpointing import describe_mesh
+from lightning_mm.strategies.model_parallel_compat import refuse_fsdp1, with_lightning_mesh_names
 from lightning_mm.strategies.pipeline_loop import PipelineRunner
 from lightning_mm.strategies.pipeline_setup import build_pipeline, check_pipeline_precision, pipeline_spec
 from lightning_mm.strategies.precision import with_mesh_clipping
 
-__all__ = ["LIGHTNING_MESH_NAMES", "HybridParallelStrategy", "with_lightning_mesh_names"]
-
-LIGHTNING_MESH_NAMES = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
-"""The mesh dimension names of Lightning's ``ModelParallelStrategy`` (whose examples parallelise in
-``configure_model`` with ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]``) and the axes of ours they
-are: data parallel is every axis samples differ over (``dp_replicate x dp_shard``, flattened)."""
-
-
-def with_lightning_mesh_names(world: DeviceMesh) -> DeviceMesh:
-    """Make ``world[name]`` work for each of :data:`LIGHTNING_MESH_NAMES` (flattened views registered on the world
-    mesh, beside ours: ``pp``, ``dp_replicate``, ``dp_shard``, ``dp``, ``tp``); another name raises torch's
-    ``KeyError``, which lists every valid one. Called on every rank (flattening creates process groups)."""
-    for name, axes in LIGHTNING_MESH_NAMES.items():
-        world[axes]._flatten(name)
-    return world
+__all__ = ["HybridParallelStrategy"]
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -281,8 +268,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             rank_zero_warn(f"allow_cross_node_groups=True: {finding}")
         super(ModelParallelStrategy, self).setup_environment()  # accelerator / device setup
         self._setup_distributed()
-        self._device_mesh = self._dims.build_mesh(self.root_device.type)
-        with_lightning_mesh_names(self._device_mesh)
+        self._device_mesh = with_lightning_mesh_names(self._dims.build_mesh(self.root_device.type))
         # Lightning's logger (shown by default), rank 0 only: the mesh and where each axis lies.
         layout = self._dims.describe_nodes(self.num_processes)
         rank_zero_info(f"device mesh {describe_mesh(self.topology()['mesh'])}: {layout}")
@@ -294,17 +280,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """As ``ModelParallelStrategy.setup``, but parallelises the model itself unless the user does."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if any(isinstance(module, FullyShardedDataParallel) for module in self.model.modules()):
-            raise TypeError(  # (Lightning's ModelParallelStrategy refuses it alike, at the same point)
-                "found modules wrapped with torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) in "
-                f"{type(self.lightning_module).__name__}: HybridParallelStrategy shards with FSDP2 "
-                "(torch.distributed.fsdp.fully_shard); remove the FSDP1 wrapping and let the strategy shard the "
-                "module, or call fully_shard in configure_model"
-            )
+        refuse_fsdp1(self.model)
         precision = str(trainer.precision)
         # Unsupported precisions fail here, naming the argument, before any sharding.
         mp_policy = mixed_precision_policy(precision)
