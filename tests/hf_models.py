@@ -58,6 +58,76 @@ LLAVA = {
 IMAGE_TOKENS = 16  # (16 / 4) ** 2 patch features per image (the CLS feature is dropped)
 
 
+QWEN_VL_IMAGE, QWEN_VL_START, QWEN_VL_END = VOCAB - 1, VOCAB - 2, VOCAB - 3  # (outside the learnable ids below)
+QWEN2_5_VL = {
+    "model_type": "qwen2_5_vl",
+    "text_config": {
+        **{key: value for key, value in LLAMA.items() if key not in ("model_type", "tie_word_embeddings")},
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
+    },
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 4,
+        "patch_size": 4,
+        "out_hidden_size": 32,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 16,
+        "fullatt_block_indexes": [1],
+    },
+    "image_token_id": QWEN_VL_IMAGE,
+    "video_token_id": VOCAB - 4,
+    "vision_start_token_id": QWEN_VL_START,
+    "vision_end_token_id": QWEN_VL_END,
+    "tie_word_embeddings": False,
+    **_IDS,
+}
+"""A tiny Qwen2.5-VL: 4 px patches, 2 x 2 of them merged into one image token, window and full vision attention."""
+
+
+def qwen_vl_batches(
+    dp_rank: int, dp: int, count: int, global_batch: int = 8, text_only_rows: range = range(0)
+) -> list[dict[str, torch.Tensor]]:
+    """``count`` global batches as Qwen2.5-VL's processor lays them out, this data-parallel rank's rows: each row
+    ``<vision_start> <image_pad> * (h * w / 4) <vision_end>`` and a learnable caption, right padding; flattened
+    patches ``pixel_values (patches, 3 * 2 * 4 * 4)`` and ``image_grid_thw (images, 3)`` of this rank's images, in
+    row order; labels on the caption only. ``text_only_rows``: rows (of the global batch) without an image."""
+    gen = torch.Generator().manual_seed(11)
+    per, batches = global_batch // dp, []
+    for _ in range(count):
+        rows = []
+        for row in range(global_batch):
+            start, stride = (
+                int(torch.randint(1, VOCAB - 8, (), generator=gen)),
+                int(torch.randint(1, 4, (), generator=gen)),
+            )
+            caption = 1 + (start + stride * torch.arange(int(torch.randint(4, 9, (), generator=gen)))) % (VOCAB - 8)
+            if row in text_only_rows:
+                rows.append((caption, None, None))
+                continue
+            grid = (1, 2 * int(torch.randint(1, 3, (), generator=gen)), 2 * int(torch.randint(1, 3, (), generator=gen)))
+            image = torch.tensor([QWEN_VL_START, *[QWEN_VL_IMAGE] * (grid[1] * grid[2] // 4), QWEN_VL_END])
+            pixels = torch.randn(grid[1] * grid[2], 3 * 2 * 4 * 4, generator=gen)
+            rows.append((torch.cat([image, caption]), grid, pixels))
+        length = max(len(tokens) for tokens, _, _ in rows)
+        ids, labels = torch.zeros(global_batch, length, dtype=torch.long), torch.full((global_batch, length), -100)
+        mask = torch.zeros_like(ids)
+        for row, (tokens, grid, _) in enumerate(rows):
+            ids[row, : len(tokens)], mask[row, : len(tokens)] = tokens, 1
+            first_caption = 0 if grid is None else grid[1] * grid[2] // 4 + 2
+            labels[row, first_caption : len(tokens)] = tokens[first_caption:]
+        mine = slice(dp_rank * per, (dp_rank + 1) * per)
+        images = [(grid, pixels) for _, grid, pixels in rows[mine] if grid is not None]
+        batch = {"input_ids": ids[mine], "attention_mask": mask[mine], "labels": labels[mine]}
+        if images:
+            batch["pixel_values"] = torch.cat([pixels for _, pixels in images])
+            batch["image_grid_thw"] = torch.tensor([grid for grid, _ in images])
+        batches.append(batch)
+    return batches
+
+
 def hf_model(config: dict, **kwargs) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_config`` of a config dict with its ``model_type`` (nothing downloaded); ``kwargs``
     as ``from_config``'s (e.g. ``attn_implementation``)."""

@@ -51,7 +51,17 @@ from tests.helpers import (
     random_samples,
     run_distributed,
 )
-from tests.hf_models import FAMILIES, IMAGE_TOKEN, IMAGE_TOKENS, LLAMA, LLAVA, hf_model, token_batches
+from tests.hf_models import (
+    FAMILIES,
+    IMAGE_TOKEN,
+    IMAGE_TOKENS,
+    LLAMA,
+    LLAVA,
+    QWEN2_5_VL,
+    hf_model,
+    qwen_vl_batches,
+    token_batches,
+)
 
 STEPS, SEED, CLIP, LR = 5, 0, 1.0, 3e-3
 GLOBAL_BATCH = 8
@@ -122,6 +132,11 @@ MESHES = {
     "fsdp2_ac_compiled": (2, {"data_parallel_shard": 2, "activation_checkpointing": True, "compile": True}),
     "pp2_compiled": (2, {"pipeline_parallel": 2, "data_parallel_shard": 1, "microbatches": 2, "compile": True}),
 }
+
+
+def _alternate(batches: list) -> list:
+    """Two global batches alternated over the ``STEPS`` steps: seen again, so the loss falls within 5 steps."""
+    return [batches[step % 2] for step in range(STEPS)]
 
 
 def llama_batches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
@@ -209,6 +224,14 @@ MODELS = {
     "user_llama_tensor": (LLAMA, tensor_batches, {}),  # batches of plain input-id tensors (issue 55)
     # rank 1's rows hold no image: its vision tower must still join the FSDP2 collectives (it hung before)
     "llava_text_rank": (LLAVA, functools.partial(packed_image_batches, text_only_half=True), {}),
+    # a Qwen-VL model on its processor's inputs (flattened patches, image_grid_thw; mRoPE positions of its own)
+    "qwen2_5_vl": (QWEN2_5_VL, lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH)), {}),
+    # its rank 1 holds no image (as llava_text_rank): a blank image through its vision tower keeps FSDP2 in step
+    "qwen2_5_vl_text_rank": (
+        QWEN2_5_VL,
+        lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH, range(GLOBAL_BATCH // 2, 8))),
+        {},
+    ),
     # today's other decoder families (tests.hf_models.FAMILIES), found by their structure
     **{family: (config, llama_batches, {}) for family, config in FAMILIES.items()},
 }
@@ -338,6 +361,8 @@ def _losses(run: dict) -> torch.Tensor:
     + [("qwen2_tied", "pp2"), ("qwen2_tied", "pp2_fsdp2"), ("llama_lora", "tp2_fsdp2")]  # (tp2 without sp: llama)
     + [("user_llama", mesh) for mesh in ("tp2", "pp2", "tp2_sp", "pp2_tp2_sp")]  # (the held model's plan)
     + [("user_llama_tensor", "pp2")]
+    + [("qwen2_5_vl", mesh) for mesh in ("fsdp2", "tp2", "tp2_sp")]
+    + [("qwen2_5_vl_text_rank", "fsdp2")]
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]
     + [(model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")]

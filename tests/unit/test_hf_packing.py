@@ -408,3 +408,45 @@ def test_a_batch_without_images_still_runs_the_vision_tower():
     # contributed nothing
     tower = [p.grad for p in module.causal_lm.model.vision_tower.parameters() if p.grad is not None]
     assert tower and all(not grad.any() for grad in tower)
+
+
+def test_a_qwen_vl_model_trains_on_its_processors_inputs_packed_or_not():
+    """Qwen2.5-VL through ``HFCausalLMModule`` on the inputs its processor makes (flattened patches,
+    ``image_grid_thw``), float64: one sample per row gives transformers' own loss; the same samples packed into one
+    row (positions restarting at each; the module builds each sample's mRoPE positions) give the loss of each sample
+    alone in a row; with one long sequence's positions instead they would see each other."""
+    import copy
+
+    from tests.hf_models import QWEN2_5_VL, QWEN_VL_IMAGE, qwen_vl_batches
+
+    torch.manual_seed(0)
+    module = HFCausalLMModule(config=copy.deepcopy(QWEN2_5_VL)).double()
+    (batch,) = qwen_vl_batches(0, 1, 1, global_batch=3)
+    batch["pixel_values"] = batch["pixel_values"].double()
+    loss, data = module._loss(batch)
+    tokens = (data["targets"] != IGNORE_INDEX).sum()
+    # transformers' own forward on what the processor gives it (image tokens marked in mm_token_type_ids: without
+    # them the model numbers the image tokens as text) and its label shift (its loss casts the logits to float32:
+    # taken here in float64)
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    inputs["mm_token_type_ids"] = (batch["input_ids"] == QWEN_VL_IMAGE).int()
+    logits = module.model(**inputs, use_cache=False).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+
+    rows = [ids[mask == 1] for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
+    labels = [row_labels[mask == 1] for row_labels, mask in zip(batch["labels"], batch["attention_mask"], strict=True)]
+    packed = {
+        "input_ids": torch.cat(rows)[None],
+        "labels": torch.cat(labels)[None],
+        "position_ids": torch.cat([torch.arange(len(row)) for row in rows])[None],
+        "pixel_values": batch["pixel_values"],
+        "image_grid_thw": batch["image_grid_thw"],
+    }
+    packed_loss, packed_data = module._loss(packed)
+    assert (packed_data["targets"] != IGNORE_INDEX).sum() == tokens  # no target crosses into the next sample
+    torch.testing.assert_close(packed_loss, loss, rtol=1e-10, atol=0)
+    crossed = {key: value for key, value in packed.items() if key != "position_ids"}  # one long sequence
+    crossed_loss, _ = module._loss(crossed)
+    assert abs(float(crossed_loss - loss)) > 1e-4
+    assert int((packed["input_ids"] == QWEN_VL_IMAGE).sum()) == int(batch["image_grid_thw"].prod(dim=1).sum()) // 4

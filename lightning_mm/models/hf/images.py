@@ -25,11 +25,13 @@ from lightning_mm.batch import IGNORE_INDEX, MultimodalBatch
 __all__ = [
     "IMAGE_MODEL_TYPES",
     "ImageTokens",
+    "blank_image_inputs",
     "vision_without_images",
     "images_by_row",
     "images_in_order",
     "llava_inputs",
     "llava_length",
+    "multimodal_rotary",
     "packed_mrope_position_ids",
 ]
 
@@ -73,18 +75,32 @@ IMAGE_MODEL_TYPES = ("llava",)
 ``(image_size / patch_size)^2`` image tokens)."""
 
 
+def blank_image_inputs(lm: Any, like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``get_image_features`` inputs of one blank image, of ``like``'s dtype and device: a Qwen-VL-style model's
+    (a vision config with ``spatial_merge_size`` and ``temporal_patch_size``) are the flattened patches of one merge
+    window, ``(merge^2, C * T * P * P)`` on the grid ``(1, merge, merge)``; a LLaVA-style model's one ``(1, 3, S,
+    S)`` canvas (:meth:`ImageTokens.of`, which refuses other kinds by name)."""
+    vision = lm.config.vision_config
+    merge, temporal = getattr(vision, "spatial_merge_size", None), getattr(vision, "temporal_patch_size", None)
+    if merge and temporal:
+        features = getattr(vision, "in_channels", 3) * temporal * vision.patch_size**2
+        grid = torch.tensor([[1, merge, merge]], device=like.device)
+        return {"pixel_values": like.new_zeros(merge * merge, features), "image_grid_thw": grid}
+    images = ImageTokens.of(lm)
+    return {"pixel_values": like.new_zeros(1, 3, images.size, images.size)}
+
+
 @contextmanager
-def vision_without_images(lm: Any, images: ImageTokens) -> Iterator[None]:
+def vision_without_images(lm: Any) -> Iterator[None]:
     """Inside the block, the model's input embeddings get a zero added that is computed through the vision tower and
-    projector on one blank canvas: a step without any image still runs the tower, where image features would enter
-    (after the embedding, before the decoder; in backward, after the decoder), so every rank joins the collectives of
-    its FSDP2 units in the same order (a rank skipping them while another runs them would wait for it forever). A
-    hook on the embedding, not a call before the model: FSDP2 gathers the embedding's shards in the model's own
-    forward."""
+    projector on one blank image (:func:`blank_image_inputs`): a step without any image still runs the tower, where
+    image features would enter (after the embedding, before the decoder; in backward, after the decoder), so every
+    rank joins the collectives of its FSDP2 units in the same order (a rank skipping them while another runs them
+    would wait for it forever). A hook on the embedding, not a call before the model: FSDP2 gathers the embedding's
+    shards in the model's own forward."""
 
     def add_zero(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-        canvas = output.new_zeros(1, 3, images.size, images.size)
-        features = lm.model.get_image_features(pixel_values=canvas).pooler_output
+        features = lm.model.get_image_features(**blank_image_inputs(lm, output)).pooler_output
         return output + sum(feature.sum() for feature in features) * 0.0
 
     handle = lm.get_input_embeddings().register_forward_hook(add_zero)
@@ -194,6 +210,14 @@ def images_in_order(pixel_values: torch.Tensor, input_ids: torch.Tensor, images:
 
 def _images_per_row(input_ids: torch.Tensor, images: ImageTokens) -> torch.Tensor:
     return (input_ids == images.token_id).sum(dim=1) // images.count
+
+
+def multimodal_rotary(lm: Any) -> bool:
+    """True for a model with 3-D rotary positions (Qwen-VL's mRoPE: ``rope_parameters["mrope_section"]`` in its text
+    config), whose packed rows need :func:`packed_mrope_position_ids`."""
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return isinstance(rope, dict) and "mrope_section" in rope
 
 
 def packed_mrope_position_ids(

@@ -16,8 +16,14 @@ from typing_extensions import override
 
 from lightning_mm.batch import MultimodalBatch
 from lightning_mm.models.common import data_parallel_group
-from lightning_mm.models.hf.images import ImageTokens, vision_without_images
+from lightning_mm.models.hf.images import (
+    ImageTokens,
+    multimodal_rotary,
+    packed_mrope_position_ids,
+    vision_without_images,
+)
 from lightning_mm.models.hf.parallelize import (
+    IMAGE_INPUTS,
     as_causal_lm_batch,
     causal_lm_loss_sum,
     causal_lm_parallel_plan,
@@ -250,8 +256,11 @@ class HFCausalLMModule(L.LightningModule):
         attention_mask: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **image_inputs: torch.Tensor,
     ) -> torch.Tensor:
-        """``input_ids (R, T)`` (a LLaVA-style model: and ``pixel_values (images, 3, H, W)``) -> ``(R, T, V)`` logits.
+        """``input_ids (R, T)`` (a LLaVA-style model: and ``pixel_values (images, 3, H, W)``; a Qwen-VL-style one:
+        ``pixel_values (patches, C * T * P * P)`` and ``image_inputs`` ``image_grid_thw (images, 3)``, as its
+        processor makes them) -> ``(R, T, V)`` logits.
 
         With ``position_ids (R, T)`` restarting at 0 at each packed sample, a packed batch is given to the model with
         its positions and without a mask, so transformers keeps each token's attention inside its sample; rows of one
@@ -259,7 +268,7 @@ class HFCausalLMModule(L.LightningModule):
 
         Under tensor parallel the logits come back whole on every tp rank (the training loss works on the vocab shards
         instead, :meth:`_loss`)."""
-        logits = self._logits(input_ids, attention_mask, pixel_values, position_ids)
+        logits = self._logits(input_ids, attention_mask, pixel_values, position_ids, **image_inputs)
         return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
     def _logits(
@@ -268,28 +277,43 @@ class HFCausalLMModule(L.LightningModule):
         attention_mask: torch.Tensor | None,
         pixel_values: torch.Tensor | None,
         position_ids: torch.Tensor | None,
+        **image_inputs: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`forward`'s logits as the LM head leaves them: a vocab-sharded ``Shard(-1)`` DTensor under tensor
         parallel (loss parallel; under pipeline parallel the schedule, not this method, computes the training loss)."""
         lm = self.causal_lm
         images = pixel_values is not None and pixel_values.shape[0] > 0
-        extra = {"pixel_values": pixel_values} if images else {}
+        extra = {"pixel_values": pixel_values, **image_inputs} if images else {}
+        if images and multimodal_rotary(lm) and "mm_token_type_ids" not in extra:
+            # Qwen-VL's 3-D rotary positions (mRoPE) need the image tokens marked, as its processor does: without
+            # mm_token_type_ids transformers numbers the images' tokens as text, silently (transformers 5.25,
+            # Qwen2_5_VLModel.compute_3d_position_ids).
+            extra["mm_token_type_ids"] = (input_ids == lm.config.image_token_id).int()
         if position_ids is not None:
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             extra.update(layout_kwargs(lm, mask, position_ids))
+            if "position_ids" in extra and multimodal_rotary(lm):
+                # Packed rows of a model with 3-D rotary positions: each sample's own, from the model's
+                # get_rope_index, with the 1-D positions that keep the samples apart in front.
+                types = extra.get("mm_token_type_ids", torch.zeros_like(input_ids))
+                grids = extra.get("image_grid_thw")
+                extra["position_ids"] = packed_mrope_position_ids(lm, input_ids, types, grids, position_ids)
         elif attention_mask is not None:
             extra["attention_mask"] = attention_mask
         if not images and getattr(lm.config, "vision_config", None) is not None:
             # A batch (or this rank's share) without any image still runs the vision tower: its FSDP2 units'
             # collectives need every rank, in the same order.
-            with vision_without_images(lm, ImageTokens.of(lm)):
+            with vision_without_images(lm):
                 return self.model(input_ids=input_ids, use_cache=False, **extra).logits
         return self.model(input_ids=input_ids, use_cache=False, **extra).logits
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         images = ImageTokens.of(self.causal_lm) if isinstance(batch, MultimodalBatch) else None
         data = as_causal_lm_batch(batch, images)
-        logits = self._logits(data["input_ids"], data["attention_mask"], data.get("pixel_values"), data["position_ids"])
+        image_inputs = {key: data[key] for key in IMAGE_INPUTS if key in data and key != "pixel_values"}
+        logits = self._logits(
+            data["input_ids"], data["attention_mask"], data.get("pixel_values"), data["position_ids"], **image_inputs
+        )
         normalizer = token_normalizer(data["targets"], data_parallel_group(self._trainer))
         return causal_lm_loss_sum(logits, data["targets"]) / normalizer, data
 

@@ -472,14 +472,19 @@ def as_causal_lm_batch(batch: Any, images: ImageTokens | None = None) -> dict[st
         # labels were defaulted from the input ids.
         targets[:, :-1] = targets[:, :-1].masked_fill(_sample_starts(mask, positions)[:, 1:], IGNORE_INDEX)
         out = {"input_ids": input_ids, "position_ids": positions, "attention_mask": mask, "targets": targets}
-        if batch.get("pixel_values") is not None:  # LLaVA-style: (images, 3, H, W), in the order of the image tokens
-            out["pixel_values"] = batch["pixel_values"]
+        # The model's own image inputs, as its processor makes them (LLaVA: pixel_values (images, 3, H, W) in the order
+        # of the image tokens; Qwen-VL: flattened patches (patches, C * T * P * P) and image_grid_thw (images, 3))
+        out.update({key: batch[key] for key in IMAGE_INPUTS if batch.get(key) is not None})
         return out
     raise TypeError(
         f"a causal LM batch must be a MultimodalBatch, an (R, T) integer tensor of input ids, or a mapping with "
         f"'input_ids' (and optional 'attention_mask', 'labels', 'position_ids'), got {type(batch).__name__}"
         + (f" of shape {tuple(batch.shape)} and dtype {batch.dtype}" if isinstance(batch, torch.Tensor) else "")
     )
+
+
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+"""Keys of a mapping batch handed to the model as they are (its processor's image inputs)."""
 
 
 def segment_positions(segment: torch.Tensor) -> torch.Tensor:
@@ -670,7 +675,7 @@ class CausalLMStage(nn.Module):
             if self.images is not None and "pixel_values" not in kwargs:
                 # No image in this microbatch: the vision tower still runs where image features would enter, so that
                 # its FSDP2 units' collectives meet every rank's, in the same order.
-                with vision_without_images(self.lm, self.images):
+                with vision_without_images(self.lm):
                     hidden = self._entry[0](input_ids=x, **kwargs).last_hidden_state
             else:
                 hidden = self._entry[0](input_ids=x, **kwargs).last_hidden_state
@@ -710,9 +715,11 @@ def _fixed_length_padder(max_length: int | None, lm: nn.Module, multiple: Callab
     parallel the tp degree: the stages exchange equal sequence shards, and a received shard's global length is
     taken as ``tp`` times its own)."""
     length: list[int] = []  # (fixed at the first batch: multiple() is known once the strategy checked the degrees)
-    images = ImageTokens.of(lm) if getattr(lm.config, "vision_config", None) is not None else None
 
     def prepare(batch: Any) -> dict[str, torch.Tensor]:
+        # (asked here, when pipelining: a vision-language model other than LLaVA's kind is refused by name then, and
+        # not where the plan is built for any mesh)
+        images = ImageTokens.of(lm) if getattr(lm.config, "vision_config", None) is not None else None
         out = as_causal_lm_batch(batch, images)
         layout_kwargs(lm, out["attention_mask"], out["position_ids"])  # a packed batch the stages cannot run: refused
         current = out["input_ids"].shape[1]
