@@ -6,7 +6,8 @@ plain ``Trainer``): every parameter after loading equals the one-process model's
 cast; no tolerance), and the losses of a few AdamW steps equal one process within the float32 noise floor measured in
 the same test (:func:`tests.helpers.assert_float32_noise`, against a float64 one-process run). Meshes: fsdp4,
 tp2 x fsdp2 and pp2 x fsdp2 (4 ranks); tied embeddings on fsdp2 and on one rank (no FSDP: plain parameters), LoRA
-adapters on the loaded base on fsdp2 and pp2, and a LLaVA checkpoint in the legacy key layout on fsdp2.
+adapters on the loaded base on fsdp2 and pp2, a LLaVA checkpoint in the legacy key layout on fsdp2, and a Qwen2.5-VL
+checkpoint on fsdp2 and tp2 x fsdp2.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from lightning_mm.models.hf.module import build_causal_lm
 from lightning_mm.strategies import HybridParallelStrategy
 from tests.distributed.test_hf_causal_lm import FLOAT32_FACTOR, image_text_batches
 from tests.helpers import LossRecorder, assert_float32_noise, full_copy, precision_settings, run_distributed
-from tests.hf_models import LLAMA, LLAVA, token_batches
+from tests.hf_models import LLAMA, LLAVA, QWEN2_5_VL, qwen_vl_batches, token_batches
 
 STEPS, SEED, LR = 3, 0, 3e-3
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
@@ -40,6 +41,7 @@ MODELS = {
     "llama": (LLAMA, {}),
     "llama_tied": ({**LLAMA, "tie_word_embeddings": True}, {}),
     "llama_lora": (LLAMA, {"lora": LORA}),
+    "qwen2_5_vl": (QWEN2_5_VL, {}),
 }
 
 
@@ -61,6 +63,8 @@ def pretrained_dir(model: str, root: str) -> str:
 def batches(model: str, dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
     if model == "llava":
         return image_text_batches(dp_rank, dp)[:STEPS]
+    if model == "qwen2_5_vl":
+        return qwen_vl_batches(dp_rank, dp, STEPS)
     return token_batches(dp_rank, dp, STEPS, global_batch=8)
 
 
@@ -139,6 +143,14 @@ def _check(model: str, mesh: str, root: str) -> None:
         name.removeprefix("model.").replace("base_model.model.", "").replace("base_layer.", ""): value
         for name, value in one["loaded"].items()
     }
+    if model == "qwen2_5_vl":  # (save_pretrained writes the original layout: model.layers.*, visual.*)
+        stored_keys = {
+            "model.language_model.layers.0.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight",
+            "model.visual.blocks.1.mlp.up_proj.weight": "visual.blocks.1.mlp.up_proj.weight",
+        }
+        for key, stored_key in stored_keys.items():
+            torch.testing.assert_close(held[key], stored[stored_key].float(), rtol=0, atol=0)
+        return
     names = {"model.layers.0.self_attn.q_proj.weight": "model.language_model.layers.0.self_attn.q_proj.weight"}
     for key in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
         stored_key = f"language_model.{key}" if model == "llava" else key
@@ -161,6 +173,8 @@ def test_pretrained_llama_loads_shard_by_shard(mesh, root):
         ("llama_lora", "fsdp2"),
         ("llama_lora", "pp2"),  # each stage's adapters drawn as one process draws them
         ("llava", "fsdp2"),
+        ("qwen2_5_vl", "fsdp2"),  # its vision blocks FSDP2 units of their own
+        ("qwen2_5_vl", "tp2_fsdp2"),
     ],
 )
 def test_pretrained_variants(model, mesh, root):
