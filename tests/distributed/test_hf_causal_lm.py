@@ -232,6 +232,18 @@ MODELS = {
         lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH, range(GLOBAL_BATCH // 2, 8))),
         {},
     ),
+    # its vision tower frozen (freeze=["vision"]): projector and decoder train, FSDP2 units mixing both kinds
+    "qwen2_5_vl_frozen_vision": (
+        QWEN2_5_VL,
+        lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH)),
+        {"freeze": ["vision"]},
+    ),
+    # LoRA adapters on its decoder
+    "qwen2_5_vl_lora": (
+        QWEN2_5_VL,
+        lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH)),
+        {"lora": LORA},
+    ),
     # today's other decoder families (tests.hf_models.FAMILIES), found by their structure
     **{family: (config, llama_batches, {}) for family, config in FAMILIES.items()},
 }
@@ -362,7 +374,7 @@ def _losses(run: dict) -> torch.Tensor:
     + [("user_llama", mesh) for mesh in ("tp2", "pp2", "tp2_sp", "pp2_tp2_sp")]  # (the held model's plan)
     + [("user_llama_tensor", "pp2")]
     + [("qwen2_5_vl", mesh) for mesh in ("fsdp2", "tp2", "tp2_sp")]
-    + [("qwen2_5_vl_text_rank", "fsdp2")]
+    + [("qwen2_5_vl_text_rank", "fsdp2"), ("qwen2_5_vl_frozen_vision", "fsdp2"), ("qwen2_5_vl_lora", "tp2_fsdp2")]
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]
     + [(model, mesh) for model in ("llama", "qwen2_tied", "llava", "llama_lora") for mesh in ("tp2_sp", "tp2_sp_fsdp2")]

@@ -405,3 +405,24 @@ def test_a_qwen_vl_batch_without_images_still_runs_the_vision_tower():
     assert sum(type(block).__name__ == "Qwen2_5_VLVisionBlock" for block in plan.blocks) == 2  # FSDP2 units
     with pytest.raises(ValueError, match=r"pipeline_parallel=2.*verified as stage 0 are \['llava'\], not 'qwen2_5_vl'"):
         plan.check_degrees({**DEGREES, "pp": 2})
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "llava"])
+def test_freeze_stops_the_named_parts_only(model_type):
+    # (trained so under fsdp2 against one process: tests/distributed/test_hf_causal_lm.py, qwen2_5_vl_frozen_vision)
+    from tests.hf_models import QWEN2_5_VL
+
+    config = copy.deepcopy(QWEN2_5_VL if model_type == "qwen2_5_vl" else LLAVA)
+    tower, projector = ("visual.", "visual.merger.") if model_type == "qwen2_5_vl" else ("vision_tower.", "projector.")
+    frozen = HFCausalLMModule(config=config, freeze=["vision"])
+    names = {name: param.requires_grad for name, param in frozen.named_parameters()}
+    assert all(not grad for name, grad in names.items() if tower in name and projector not in name)
+    assert all(grad for name, grad in names.items() if tower not in name or projector in name)
+    assert any(projector in name for name in names) and any(tower in name and projector not in name for name in names)
+    only_decoder = HFCausalLMModule(config=copy.deepcopy(config), freeze=["vision", "projector"])
+    trainable = {name for name, param in only_decoder.named_parameters() if param.requires_grad}
+    assert trainable and all("language_model" in name or "lm_head" in name for name in trainable)
+    with pytest.raises(ValueError, match=r"'tower' is not a part; the parts are \['vision', 'projector', 'decoder'\]"):
+        HFCausalLMModule(config=copy.deepcopy(config), freeze=["tower"])
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM has no vision \(its parts: \['decoder'\]\)"):
+        HFCausalLMModule(config={"model_type": "llama", **TEXT}, freeze=["vision"])

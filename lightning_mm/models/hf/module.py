@@ -31,6 +31,7 @@ from lightning_mm.models.hf.parallelize import (
     sharded_loss,
     token_normalizer,
 )
+from lightning_mm.models.hf.parts import freeze_parts
 from lightning_mm.models.hf.pretrained import (
     NeedsConversion,
     init_lora_adapters,
@@ -130,6 +131,9 @@ class HFCausalLMModule(L.LightningModule):
         max_length: fixed sequence length of pipelined batches (right padding; default: the first batch's; with
             sequence parallel rounded up to a multiple of tensor_parallel).
         attn_implementation: ``"sdpa"`` or ``"eager"``.
+        freeze: parts that do not train (:func:`~lightning_mm.models.hf.parts.freeze_parts`): ``"vision"`` (the
+            vision tower), ``"projector"``, ``"decoder"`` (with its embeddings and LM head); e.g. ``["vision"]`` to
+            tune a vision-language model's projector and decoder only.
 
     Pretrained weights are read in ``configure_model``: under a strategy that
     :func:`~lightning_mm.parallel.protocol.materializes_meta_modules` (``HybridParallelStrategy``) the model is built
@@ -156,6 +160,7 @@ class HFCausalLMModule(L.LightningModule):
         warmup_steps: int = 0,
         max_length: int | None = None,
         attn_implementation: str = "sdpa",
+        freeze: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
@@ -210,6 +215,16 @@ class HFCausalLMModule(L.LightningModule):
         self.model = self._with_adapters(model)
 
     def _with_adapters(self, model: nn.Module) -> nn.Module:
+        """``model`` with its LoRA adapters (``lora``), then the ``freeze`` parts frozen."""
+        model = self._with_lora(model)
+        if self.hparams.freeze:
+            get_base = getattr(model, "get_base_model", None)
+            freeze_parts(
+                get_base() if callable(get_base) and self.hparams.lora is not None else model, self.hparams.freeze
+            )
+        return model
+
+    def _with_lora(self, model: nn.Module) -> nn.Module:
         if self.hparams.lora is None:
             return model
         try:
