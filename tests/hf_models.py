@@ -87,6 +87,26 @@ QWEN2_5_VL = {
 """A tiny Qwen2.5-VL: 4 px patches, 2 x 2 of them merged into one image token, window and full vision attention."""
 
 
+QWEN3_VL = {
+    **QWEN2_5_VL,
+    "model_type": "qwen3_vl",
+    "text_config": {
+        **QWEN2_5_VL["text_config"],
+        "head_dim": 8,
+        "rope_parameters": {**QWEN2_5_VL["text_config"]["rope_parameters"], "mrope_interleaved": True},
+    },
+    "vision_config": {
+        **{key: QWEN2_5_VL["vision_config"][key] for key in ("depth", "hidden_size", "intermediate_size", "num_heads")},
+        **{key: QWEN2_5_VL["vision_config"][key] for key in ("patch_size", "out_hidden_size", "spatial_merge_size")},
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [1],
+    },
+}
+"""A tiny Qwen3-VL: per-head q_norm / k_norm, interleaved mRoPE, deepstack features; its config declares no tensor-
+parallel plan for the decoder layers (transformers 5.25), which the adapter reads from their structure."""
+
+
 def qwen_vl_batches(
     dp_rank: int, dp: int, count: int, global_batch: int = 8, text_only_rows: range = range(0)
 ) -> list[dict[str, torch.Tensor]]:

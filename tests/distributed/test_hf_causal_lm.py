@@ -58,6 +58,7 @@ from tests.hf_models import (
     LLAMA,
     LLAVA,
     QWEN2_5_VL,
+    QWEN3_VL,
     hf_model,
     qwen_vl_batches,
     token_batches,
@@ -244,6 +245,7 @@ MODELS = {
         lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH)),
         {"lora": LORA},
     ),
+    "qwen3_vl": (QWEN3_VL, lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH)), {}),
     # today's other decoder families (tests.hf_models.FAMILIES), found by their structure
     **{family: (config, llama_batches, {}) for family, config in FAMILIES.items()},
 }
@@ -374,6 +376,7 @@ def _losses(run: dict) -> torch.Tensor:
     + [("user_llama", mesh) for mesh in ("tp2", "pp2", "tp2_sp", "pp2_tp2_sp")]  # (the held model's plan)
     + [("user_llama_tensor", "pp2")]
     + [("qwen2_5_vl", mesh) for mesh in ("fsdp2", "tp2", "tp2_sp")]
+    + [("qwen3_vl", m) for m in ("fsdp2", "tp2")]
     + [("qwen2_5_vl_text_rank", "fsdp2"), ("qwen2_5_vl_frozen_vision", "fsdp2"), ("qwen2_5_vl_lora", "tp2_fsdp2")]
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]

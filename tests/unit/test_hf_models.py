@@ -426,3 +426,24 @@ def test_freeze_stops_the_named_parts_only(model_type):
         HFCausalLMModule(config=copy.deepcopy(config), freeze=["tower"])
     with pytest.raises(ValueError, match=r"LlamaForCausalLM has no vision \(its parts: \['decoder'\]\)"):
         HFCausalLMModule(config={"model_type": "llama", **TEXT}, freeze=["vision"])
+
+
+def test_qwen3_vl_gets_its_layers_tp_plan_from_their_structure_and_no_sequence_parallel():
+    # transformers 5.25's Qwen3-VL text config declares a tensor-parallel style for its embedding only; the layers'
+    # plan is read from them (against one process under tp2: tests/distributed/test_hf_causal_lm.py, qwen3_vl)
+    from lightning_mm.models.hf.structure import layer_tp_plan
+    from tests.hf_models import QWEN3_VL
+
+    qwen3_vl = HFCausalLMModule(config=copy.deepcopy(QWEN3_VL))
+    styles = resolve_plan(qwen3_vl, qwen3_vl.parallel_plan().tp_plan)
+    layer = "model.model.language_model.layers.1"
+    assert type(styles[f"{layer}.self_attn.q_proj"]) is ColwiseParallel
+    assert type(styles[f"{layer}.mlp.down_proj"]) is RowwiseParallel
+    assert f"{layer}.self_attn.k_norm" in styles  # per-head norms: replicated, gradients summed over tp
+    # its deepstack adds visual features to the stream between layers, at image positions: not on sequence shards
+    with pytest.raises(
+        ValueError, match=r"sequence_parallel=True .*modeling_qwen3_vl\.py:\d+: `hidden_states = self\._deepstack"
+    ):
+        dict(qwen3_vl.parallel_plan(sequence_parallel=True).tp_plan)
+    # OLMo 2's q_norm / k_norm normalise over all heads: the Llama plan would split them; it declares its own
+    assert "normalises over all heads" in layer_tp_plan(module("olmo2").causal_lm.model)

@@ -410,17 +410,18 @@ def test_a_batch_without_images_still_runs_the_vision_tower():
     assert tower and all(not grad.any() for grad in tower)
 
 
-def test_a_qwen_vl_model_trains_on_its_processors_inputs_packed_or_not():
-    """Qwen2.5-VL through ``HFCausalLMModule`` on the inputs its processor makes (flattened patches,
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_qwen_vl_model_trains_on_its_processors_inputs_packed_or_not(model_type):
+    """Qwen2.5-VL and Qwen3-VL through ``HFCausalLMModule`` on the inputs their processor makes (flattened patches,
     ``image_grid_thw``), float64: one sample per row gives transformers' own loss; the same samples packed into one
     row (positions restarting at each; the module builds each sample's mRoPE positions) give the loss of each sample
     alone in a row; with one long sequence's positions instead they would see each other."""
     import copy
 
-    from tests.hf_models import QWEN2_5_VL, QWEN_VL_IMAGE, qwen_vl_batches
+    from tests.hf_models import QWEN2_5_VL, QWEN3_VL, QWEN_VL_IMAGE, qwen_vl_batches
 
     torch.manual_seed(0)
-    module = HFCausalLMModule(config=copy.deepcopy(QWEN2_5_VL)).double()
+    module = HFCausalLMModule(config=copy.deepcopy(QWEN3_VL if model_type == "qwen3_vl" else QWEN2_5_VL)).double()
     (batch,) = qwen_vl_batches(0, 1, 1, global_batch=3)
     batch["pixel_values"] = batch["pixel_values"].double()
     loss, data = module._loss(batch)

@@ -117,8 +117,10 @@ def build_causal_lm(
 
 
 class HFCausalLMModule(L.LightningModule):
-    """Next-token training of a Hugging Face decoder-only causal LM (Llama / Mistral / Qwen2 family) or of a LLaVA-style
-    vision-language model (``model_type: llava``; batches then carry ``pixel_values``).
+    """Next-token training of a Hugging Face decoder-only causal LM (Llama, Mistral, Qwen2 / 3, Gemma 3, Phi-3, OLMo 2
+    ...: admitted by their structure, :mod:`lightning_mm.models.hf.structure`) or of a vision-language model:
+    LLaVA-style (``model_type: llava``; batches then carry ``pixel_values``), or Qwen2.5-VL / Qwen3-VL on their
+    processor's inputs (``pixel_values`` as flattened patches, ``image_grid_thw``).
 
     Args:
         config: the model's config as a dict with ``model_type`` (built from the current seed, no download).

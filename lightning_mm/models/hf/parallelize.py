@@ -76,6 +76,8 @@ from lightning_mm.models.hf.images import (
 )
 from lightning_mm.models.hf.structure import (
     distinct_layers,
+    layer_loop_refusal,
+    layer_tp_plan,
     packing_refusal,
     pipeline_refusal,
     sequence_parallel_refusal,
@@ -353,9 +355,13 @@ def _sequence_parallel(root: nn.Module, layout: DecoderLayout, plan: dict[str, A
 
 
 def _layers_refusal(root: nn.Module, layout: DecoderLayout) -> str | None:
-    """:func:`sequence_parallel_refusal` of the decoder layers ``root`` holds, one per structure."""
+    """:func:`sequence_parallel_refusal` of the decoder layers ``root`` holds, one per structure, and
+    :func:`layer_loop_refusal` of the decoder's loop over them."""
     layers = distinct_layers(map(root.get_submodule, layout.layers))
-    return next(filter(None, map(sequence_parallel_refusal, layers)), None)
+    loop = layer_loop_refusal(
+        root.get_submodule(layout.decoder), layout.layers[0].rpartition(".")[0].rpartition(".")[2]
+    )
+    return next(filter(None, map(sequence_parallel_refusal, layers)), loop)
 
 
 def hf_tp_plan(
@@ -372,13 +378,20 @@ def hf_tp_plan(
     stay vocab-sharded (a ``Shard(-1)`` DTensor) for ``torch.distributed.tensor.parallel.loss_parallel``."""
     config = lm.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    declared = getattr(text_config, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
-    if not declared:
-        raise ValueError(
-            f"{type(config).__name__} declares no base_model_tp_plan; pass tp_plan={{'fqn.pattern': 'colwise' | "
-            f"'rowwise', ...}} with patterns relative to the LightningModule (decoder layers are "
-            f"{layout.layers[0]!r} ...)"
-        )
+    declared = dict(
+        getattr(text_config, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {}
+    )
+    layers_name = layout.layers[0].rpartition(".")[0].rpartition(".")[2]
+    if not any(pattern.startswith(f"{layers_name}.") for pattern in declared):
+        derived = layer_tp_plan(lm.get_decoder(), layers_name)  # (transformers 5.25's Qwen3-VL declares none)
+        if isinstance(derived, str):
+            raise ValueError(
+                f"{type(config).__name__}.base_model_tp_plan has no entry for the decoder layers, and their structure "
+                f"does not give one ({derived}); pass tp_plan={{'fqn.pattern': 'colwise' | 'rowwise', ...}} with "
+                f"patterns relative to the LightningModule (decoder layers are {layout.layers[0]!r} ...)"
+            )
+        log.info("%s.base_model_tp_plan covers no decoder layer: the Llama plan, read from them", type(config).__name__)
+        declared |= derived
     plan: dict[str, str | ParallelStyle] = {}
     for pattern, style in declared.items():
         ours = _hf_style(style, sequence_parallel)

@@ -34,7 +34,14 @@ from torch import nn
 from lightning_mm.parallel.pipeline import PassThrough
 from lightning_mm.parallel.plans import is_sequence_type
 
-__all__ = ["distinct_layers", "packing_refusal", "pipeline_refusal", "sequence_parallel_refusal"]
+__all__ = [
+    "distinct_layers",
+    "layer_loop_refusal",
+    "layer_tp_plan",
+    "packing_refusal",
+    "pipeline_refusal",
+    "sequence_parallel_refusal",
+]
 
 
 def _forward_tree(module: nn.Module) -> tuple[ast.FunctionDef, Callable[[ast.AST], str]] | str:
@@ -81,17 +88,15 @@ def _assignments(tree: ast.AST, name: str) -> list[ast.stmt]:
     return found
 
 
-def pipeline_refusal(decoder: nn.Module, embed: str, layers: str, norm: str) -> str | None:
-    """Why the decoder's ``forward`` cannot run stage by stage (module docstring), or None when it can.
-
-    ``embed``, ``layers``, ``norm``: the decoder's attribute names of its embedding, layer list and final norm."""
+def _layer_loop(decoder: nn.Module, layers: str) -> tuple[ast.FunctionDef, Callable, ast.For, str] | str:
+    """The decoder forward's one loop over ``self.<layers>`` that calls each layer once with the residual stream as
+    its first argument and rewrites the stream only with that call: ``(forward, where, loop, stream name)``, or why
+    not (Qwen3-VL adds its deepstack visual features to the stream inside the loop)."""
     parsed = _forward_tree(decoder)
     if isinstance(parsed, str):
         return parsed
     function, where = parsed
     name = type(decoder).__name__
-    if "inputs_embeds" not in {a.arg for a in function.args.args + function.args.kwonlyargs}:
-        return f"{name}.forward takes no inputs_embeds (later stages pass the hidden states as inputs_embeds)"
     loops = [
         node
         for node in ast.walk(function)
@@ -110,11 +115,51 @@ def pipeline_refusal(decoder: nn.Module, embed: str, layers: str, norm: str) -> 
     ]
     if len(calls) != 1 or not calls[0].args or not isinstance(calls[0].args[0], ast.Name):
         return f"{name}.forward does not call each layer once with the residual stream as its first argument"
-    stream = calls[0].args[0].id
+    stream, call = calls[0].args[0].id, calls[0]
+    # the layer's output, bound to the stream directly or through one name (`layer_outputs = layer(...)`,
+    # `hidden_states = layer_outputs`)
+    outputs = {
+        t.id
+        for node in ast.walk(loop)
+        if isinstance(node, ast.Assign) and node.value is call
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+
+    def from_layer(statement: ast.stmt) -> bool:
+        value = getattr(statement, "value", None)
+        return isinstance(statement, ast.Assign) and (
+            value is call or (isinstance(value, ast.Name) and value.id in outputs - {stream})
+        )
+
     in_loop = _assignments(loop, stream)
-    if len(in_loop) != 1 or not (isinstance(in_loop[0], ast.Assign) and in_loop[0].value is calls[0]):
-        odd = next((s for s in in_loop if not (isinstance(s, ast.Assign) and s.value is calls[0])), loop)
-        return f"{name}.forward rewrites the residual stream inside the layer loop besides the layer call: {where(odd)}"
+    odd = next((statement for statement in in_loop if not from_layer(statement)), None)
+    if odd is not None or len(in_loop) != 1:
+        return (
+            f"{name}.forward rewrites the residual stream inside the layer loop besides the layer call: "
+            f"{where(odd or loop)}"
+        )
+    return function, where, loop, stream
+
+
+def layer_loop_refusal(decoder: nn.Module, layers: str = "layers") -> str | None:
+    """Why the decoder's forward does more to the residual stream between its layers than call them (a sequence-
+    parallel stream is sharded there: Qwen3-VL's deepstack indexes it by image position), or None."""
+    found = _layer_loop(decoder, layers)
+    return found if isinstance(found, str) else None
+
+
+def pipeline_refusal(decoder: nn.Module, embed: str, layers: str, norm: str) -> str | None:
+    """Why the decoder's ``forward`` cannot run stage by stage (module docstring), or None when it can.
+
+    ``embed``, ``layers``, ``norm``: the decoder's attribute names of its embedding, layer list and final norm."""
+    found = _layer_loop(decoder, layers)
+    if isinstance(found, str):
+        return found
+    function, where, loop, stream = found
+    name = type(decoder).__name__
+    if "inputs_embeds" not in {a.arg for a in function.args.args + function.args.kwonlyargs}:
+        return f"{name}.forward takes no inputs_embeds (later stages pass the hidden states as inputs_embeds)"
     embeddings = {embed, "get_input_embeddings"}
     for statement in _assignments(function, "inputs_embeds"):
         value = getattr(statement, "value", None)
@@ -236,3 +281,39 @@ def sequence_parallel_refusal(layer: nn.Module) -> str | None:
         if node.func.attr == "mlp" and (len(node.args) != 1 or node.keywords):
             return f"{name} calls its MLP other than with the hidden states alone: {where(node)}"
     return None
+
+
+def layer_tp_plan(decoder: nn.Module, layers: str = "layers") -> dict[str, str] | str:
+    """A ``base_model_tp_plan`` for the decoder layers, read from their structure, for a model whose config declares
+    none for them (transformers 5.25's Qwen3-VL text config declares its embedding only), or why not.
+
+    Every layer (one of each structure, :func:`distinct_layers`) must hold ``self_attn`` with ``q_proj`` / ``k_proj``
+    / ``v_proj`` / ``o_proj`` and ``mlp`` with ``gate_proj`` / ``up_proj`` / ``down_proj``, all ``nn.Linear``: the
+    Llama plan (q / k / v, gate / up colwise; o, down rowwise). Per-head ``q_norm`` / ``k_norm`` (weights of
+    ``head_dim``: Qwen3's) get ``replicated_with_grad_allreduce``; norms over all heads (OLMo 2's) need the projections'
+    outputs gathered, which this plan does not do: refused."""
+    found = distinct_layers(getattr(decoder, layers, []))
+    if not found:
+        return f"{type(decoder).__name__} has no {layers} list"
+    parts = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    norms: set[str] = set()
+    for layer in found:
+        for part, names in parts.items():
+            module = getattr(layer, part, None)
+            missing = [name for name in names if not isinstance(getattr(module, name, None), nn.Linear)]
+            if missing:
+                return f"{type(layer).__name__}.{part} has no nn.Linear {missing}"
+        attention = layer.self_attn
+        head_dim = getattr(attention, "head_dim", None)
+        for norm in ("q_norm", "k_norm"):
+            weight = getattr(getattr(attention, norm, None), "weight", None)
+            if weight is None:
+                continue
+            if weight.shape[-1] != head_dim:
+                return f"{type(attention).__name__}.{norm} normalises over all heads (weight {tuple(weight.shape)})"
+            norms.add(norm)
+    plan = {f"{layers}.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")}
+    plan |= {f"{layers}.*.self_attn.o_proj": "rowwise", f"{layers}.*.mlp.down_proj": "rowwise"}
+    plan |= {f"{layers}.*.mlp.{name}": "colwise" for name in ("gate_proj", "up_proj")}
+    plan |= {f"{layers}.*.self_attn.{norm}": "replicated_with_grad_allreduce" for norm in sorted(norms)}
+    return plan
