@@ -246,6 +246,11 @@ MODELS = {
         {"lora": LORA},
     ),
     "qwen3_vl": (QWEN3_VL, lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH)), {}),
+    "qwen3_vl_text_rank": (
+        QWEN3_VL,
+        lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH, range(GLOBAL_BATCH // 2, 8))),
+        {},
+    ),
     # today's other decoder families (tests.hf_models.FAMILIES), found by their structure
     **{family: (config, llama_batches, {}) for family, config in FAMILIES.items()},
 }
@@ -377,6 +382,7 @@ def _losses(run: dict) -> torch.Tensor:
     + [("user_llama_tensor", "pp2")]
     + [("qwen2_5_vl", mesh) for mesh in ("fsdp2", "tp2", "tp2_sp")]
     + [("qwen3_vl", m) for m in ("fsdp2", "tp2")]
+    + [("qwen3_vl_text_rank", "fsdp2")]
     + [("qwen2_5_vl_text_rank", "fsdp2"), ("qwen2_5_vl_frozen_vision", "fsdp2"), ("qwen2_5_vl_lora", "tp2_fsdp2")]
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]

@@ -100,14 +100,29 @@ def vision_without_images(lm: Any) -> Iterator[None]:
     shards in the model's own forward."""
 
     def add_zero(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-        features = lm.model.get_image_features(**blank_image_inputs(lm, output)).pooler_output
-        return output + sum(feature.sum() for feature in features) * 0.0
+        features = lm.model.get_image_features(**blank_image_inputs(lm, output))
+        # every tensor the tower returns, so every parameter it used gets its (zero) gradient: Qwen3-VL's deepstack
+        # mergers make features beside pooler_output, and a rank whose FSDP2 unit lacks some gradients reduce-
+        # scatters other sizes than its peers (gloo aborts)
+        return output + sum(tensor.sum() for tensor in _tensors(features)) * 0.0
 
     handle = lm.get_input_embeddings().register_forward_hook(add_zero)
     try:
         yield
     finally:
         handle.remove()
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value`` (a tensor, or a ``ModelOutput`` / mapping / list / tuple of them, nested)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):  # (transformers' ModelOutput is an OrderedDict)
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
 
 
 def _canvas(patches: torch.Tensor, positions: torch.Tensor, size: int) -> torch.Tensor:
