@@ -107,6 +107,65 @@ QWEN3_VL = {
 parallel plan for the decoder layers (transformers 5.25), which the adapter reads from their structure."""
 
 
+GEMMA3_IMAGE, GEMMA3_BOI, GEMMA3_EOI = VOCAB - 1, VOCAB - 2, VOCAB - 3
+GEMMA3_VL = {
+    "model_type": "gemma3",
+    "text_config": {key: value for key, value in FAMILIES["gemma3"].items() if key != "model_type"},
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "image_size": 16,
+        "patch_size": 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    },
+    "mm_tokens_per_image": 4,  # (the 4 x 4 patch features pooled to 2 x 2)
+    "image_token_index": GEMMA3_IMAGE,
+    "boi_token_index": GEMMA3_BOI,
+    "eoi_token_index": GEMMA3_EOI,
+}
+"""A tiny Gemma 3 vision-language model: one 16 px image pooled into 4 tokens that attend to each other both ways
+(``token_type_ids``), sliding-window and full-attention text layers, soft-capped logits."""
+
+
+def gemma3_vl_batches(
+    dp_rank: int, dp: int, count: int, global_batch: int = 8, text_only_rows: range = range(0)
+) -> list[dict[str, torch.Tensor]]:
+    """As :func:`qwen_vl_batches` for :data:`GEMMA3_VL`: ``<boi> <image> * 4 <eoi>`` and a caption per row,
+    ``pixel_values (images, 3, 16, 16)`` of this rank's rows in order; no ``token_type_ids`` (the module marks the
+    image tokens, as the processor would)."""
+    gen = torch.Generator().manual_seed(13)
+    per, batches = global_batch // dp, []
+    for _ in range(count):
+        rows = []
+        for row in range(global_batch):
+            start, stride = (
+                int(torch.randint(1, VOCAB - 8, (), generator=gen)),
+                int(torch.randint(1, 4, (), generator=gen)),
+            )
+            caption = 1 + (start + stride * torch.arange(int(torch.randint(4, 9, (), generator=gen)))) % (VOCAB - 8)
+            if row in text_only_rows:
+                rows.append((caption, None))
+                continue
+            image = torch.tensor([GEMMA3_BOI, *[GEMMA3_IMAGE] * 4, GEMMA3_EOI])
+            rows.append((torch.cat([image, caption]), torch.randn(3, 16, 16, generator=gen)))
+        length = max(len(tokens) for tokens, _ in rows)
+        ids, labels = torch.zeros(global_batch, length, dtype=torch.long), torch.full((global_batch, length), -100)
+        mask = torch.zeros_like(ids)
+        for row, (tokens, pixels) in enumerate(rows):
+            ids[row, : len(tokens)], mask[row, : len(tokens)] = tokens, 1
+            first_caption = 0 if pixels is None else 6
+            labels[row, first_caption : len(tokens)] = tokens[first_caption:]
+        mine = slice(dp_rank * per, (dp_rank + 1) * per)
+        images = [pixels for _, pixels in rows[mine] if pixels is not None]
+        batch = {"input_ids": ids[mine], "attention_mask": mask[mine], "labels": labels[mine]}
+        if images:
+            batch["pixel_values"] = torch.stack(images)
+        batches.append(batch)
+    return batches
+
+
 def qwen_vl_batches(
     dp_rank: int, dp: int, count: int, global_batch: int = 8, text_only_rows: range = range(0)
 ) -> list[dict[str, torch.Tensor]]:

@@ -53,12 +53,14 @@ from tests.helpers import (
 )
 from tests.hf_models import (
     FAMILIES,
+    GEMMA3_VL,
     IMAGE_TOKEN,
     IMAGE_TOKENS,
     LLAMA,
     LLAVA,
     QWEN2_5_VL,
     QWEN3_VL,
+    gemma3_vl_batches,
     hf_model,
     qwen_vl_batches,
     token_batches,
@@ -251,6 +253,13 @@ MODELS = {
         lambda dp_rank, dp: _alternate(qwen_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH, range(GLOBAL_BATCH // 2, 8))),
         {},
     ),
+    # Gemma 3's vision-language model: fixed-size images pooled into tokens that attend to each other both ways
+    "gemma3_vl": (GEMMA3_VL, lambda dp_rank, dp: _alternate(gemma3_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH)), {}),
+    "gemma3_vl_text_rank": (
+        GEMMA3_VL,
+        lambda dp_rank, dp: _alternate(gemma3_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH, range(GLOBAL_BATCH // 2, 8))),
+        {},
+    ),
     # today's other decoder families (tests.hf_models.FAMILIES), found by their structure
     **{family: (config, llama_batches, {}) for family, config in FAMILIES.items()},
 }
@@ -383,6 +392,8 @@ def _losses(run: dict) -> torch.Tensor:
     + [("qwen2_5_vl", mesh) for mesh in ("fsdp2", "tp2", "tp2_sp")]
     + [("qwen3_vl", m) for m in ("fsdp2", "tp2")]
     + [("qwen3_vl_text_rank", "fsdp2")]
+    + [("gemma3_vl", mesh) for mesh in ("fsdp2", "tp2", "tp2_sp")]
+    + [("gemma3_vl_text_rank", "fsdp2")]
     + [("qwen2_5_vl_text_rank", "fsdp2"), ("qwen2_5_vl_frozen_vision", "fsdp2"), ("qwen2_5_vl_lora", "tp2_fsdp2")]
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]

@@ -451,3 +451,39 @@ def test_a_qwen_vl_model_trains_on_its_processors_inputs_packed_or_not(model_typ
     crossed_loss, _ = module._loss(crossed)
     assert abs(float(crossed_loss - loss)) > 1e-4
     assert int((packed["input_ids"] == QWEN_VL_IMAGE).sum()) == int(batch["image_grid_thw"].prod(dim=1).sum()) // 4
+
+
+def test_gemma3_vl_image_tokens_see_each_other_packed_or_not():
+    """Gemma 3's vision-language model, float64: without ``token_type_ids`` in the batch the module marks the image
+    tokens as its processor does (else they would attend causally: another loss), one sample per row gives
+    transformers' own loss, and a packed row gives the loss of its samples alone."""
+    import copy
+
+    from tests.hf_models import GEMMA3_IMAGE, GEMMA3_VL, gemma3_vl_batches
+
+    torch.manual_seed(0)
+    module = HFCausalLMModule(config=copy.deepcopy(GEMMA3_VL)).double()
+    (batch,) = gemma3_vl_batches(0, 1, 1, global_batch=3)
+    batch["pixel_values"] = batch["pixel_values"].double()
+    assert "token_type_ids" not in batch
+    loss, data = module._loss(batch)
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    causal = module.model(**inputs, use_cache=False).logits  # (what transformers does without the marks)
+    inputs["token_type_ids"] = (batch["input_ids"] == GEMMA3_IMAGE).long()
+    logits = module.model(**inputs, use_cache=False).logits
+    shifted = batch["labels"][:, 1:].flatten()
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), shifted)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    assert abs(float(torch.nn.functional.cross_entropy(causal[:, :-1].flatten(0, 1), shifted) - expected)) > 1e-6
+
+    rows = [ids[mask == 1] for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
+    labels = [row_labels[mask == 1] for row_labels, mask in zip(batch["labels"], batch["attention_mask"], strict=True)]
+    packed = {
+        "input_ids": torch.cat(rows)[None],
+        "labels": torch.cat(labels)[None],
+        "position_ids": torch.cat([torch.arange(len(row)) for row in rows])[None],
+        "pixel_values": batch["pixel_values"],
+    }
+    packed_loss, packed_data = module._loss(packed)
+    assert (packed_data["targets"] != IGNORE_INDEX).sum() == (data["targets"] != IGNORE_INDEX).sum()
+    torch.testing.assert_close(packed_loss, loss, rtol=1e-10, atol=0)

@@ -13,6 +13,7 @@ included, so a packed row keeps each sample with its own image (transformers' pa
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ __all__ = [
     "ImageTokens",
     "blank_image_inputs",
     "vision_without_images",
+    "image_token_types",
     "images_by_row",
     "images_in_order",
     "llava_inputs",
@@ -78,16 +80,16 @@ IMAGE_MODEL_TYPES = ("llava",)
 def blank_image_inputs(lm: Any, like: torch.Tensor) -> dict[str, torch.Tensor]:
     """``get_image_features`` inputs of one blank image, of ``like``'s dtype and device: a Qwen-VL-style model's
     (a vision config with ``spatial_merge_size`` and ``temporal_patch_size``) are the flattened patches of one merge
-    window, ``(merge^2, C * T * P * P)`` on the grid ``(1, merge, merge)``; a LLaVA-style model's one ``(1, 3, S,
-    S)`` canvas (:meth:`ImageTokens.of`, which refuses other kinds by name)."""
+    window, ``(merge^2, C * T * P * P)`` on the grid ``(1, merge, merge)``; a fixed-size model's (LLaVA, Gemma 3) one
+    ``(1, C, S, S)`` canvas of its vision config's ``image_size``."""
     vision = lm.config.vision_config
     merge, temporal = getattr(vision, "spatial_merge_size", None), getattr(vision, "temporal_patch_size", None)
     if merge and temporal:
         features = getattr(vision, "in_channels", 3) * temporal * vision.patch_size**2
         grid = torch.tensor([[1, merge, merge]], device=like.device)
         return {"pixel_values": like.new_zeros(merge * merge, features), "image_grid_thw": grid}
-    images = ImageTokens.of(lm)
-    return {"pixel_values": like.new_zeros(1, 3, images.size, images.size)}
+    size = int(vision.image_size)  # (one fixed-size image: LLaVA's, Gemma 3's)
+    return {"pixel_values": like.new_zeros(1, getattr(vision, "num_channels", 3), size, size)}
 
 
 @contextmanager
@@ -225,6 +227,23 @@ def images_in_order(pixel_values: torch.Tensor, input_ids: torch.Tensor, images:
 
 def _images_per_row(input_ids: torch.Tensor, images: ImageTokens) -> torch.Tensor:
     return (input_ids == images.token_id).sum(dim=1) // images.count
+
+
+def image_token_types(lm: Any, input_ids: torch.Tensor, given: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The image-token marks the model's processor would add and the batch lacks (1 on image tokens, 0 elsewhere;
+    ``input_ids (R, T)``): ``mm_token_type_ids`` for a model whose forward takes it (Qwen-VL: without it transformers
+    5.25 numbers the image tokens as text, ``compute_3d_position_ids``), ``token_type_ids`` for a vision-language
+    model whose forward takes that (Gemma 3: without it the image tokens attend causally instead of to each other),
+    silently either way."""
+    config = lm.config
+    token = getattr(config, "image_token_id", None)
+    token = getattr(config, "image_token_index", None) if token is None else token
+    accepted = inspect.signature(type(lm).forward).parameters
+    missing = [key for key in ("mm_token_type_ids", "token_type_ids") if key in accepted and given.get(key) is None]
+    if token is None or not missing:
+        return {}
+    marks = (input_ids == int(token)).int()
+    return {missing[0]: marks if missing[0] == "mm_token_type_ids" else marks.long()}
 
 
 def multimodal_rotary(lm: Any) -> bool:

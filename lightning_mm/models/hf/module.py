@@ -18,6 +18,7 @@ from lightning_mm.batch import MultimodalBatch
 from lightning_mm.models.common import data_parallel_group
 from lightning_mm.models.hf.images import (
     ImageTokens,
+    image_token_types,
     multimodal_rotary,
     packed_mrope_position_ids,
     vision_without_images,
@@ -301,11 +302,8 @@ class HFCausalLMModule(L.LightningModule):
         lm = self.causal_lm
         images = pixel_values is not None and pixel_values.shape[0] > 0
         extra = {"pixel_values": pixel_values, **image_inputs} if images else {}
-        if images and multimodal_rotary(lm) and "mm_token_type_ids" not in extra:
-            # Qwen-VL's 3-D rotary positions (mRoPE) need the image tokens marked, as its processor does: without
-            # mm_token_type_ids transformers numbers the images' tokens as text, silently (transformers 5.25,
-            # Qwen2_5_VLModel.compute_3d_position_ids).
-            extra["mm_token_type_ids"] = (input_ids == lm.config.image_token_id).int()
+        if images:
+            extra |= image_token_types(lm, input_ids, extra)
         if position_ids is not None:
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             extra.update(layout_kwargs(lm, mask, position_ids))

@@ -496,7 +496,7 @@ def as_causal_lm_batch(batch: Any, images: ImageTokens | None = None) -> dict[st
     )
 
 
-IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids")
 """Keys of a mapping batch handed to the model as they are (its processor's image inputs)."""
 
 
