@@ -451,3 +451,85 @@ def test_qwen3_vl_gets_its_layers_tp_plan_from_their_structure_and_no_sequence_p
         dict(qwen3_vl.parallel_plan(sequence_parallel=True).tp_plan)
     # OLMo 2's q_norm / k_norm normalise over all heads: the Llama plan would split them; it declares its own
     assert "normalises over all heads" in layer_tp_plan(module("olmo2").causal_lm.model)
+    # attention holding more than its projections would meet its heads split: refused, naming what it holds
+    for model_type, held in [
+        ("diffllama", "['groupnorm', 'lambda_q1'"),  # (heads paired across the split, lambdas' gradients partial)
+        ("stablelm", "['k_layernorm', 'q_layernorm']"),  # (a norm per head, zipped with the local heads)
+        ("bitnet", "['attn_sub_norm']"),  # (a norm over all heads)
+    ]:
+        extra = {"qk_layernorm": True} if model_type == "stablelm" else {}
+        assert held in layer_tp_plan(module(model_type, **extra).causal_lm.model), model_type
+
+
+class _Decoder(torch.nn.Module):
+    """A decoder whose forward only the source check reads (never called): each subclass does one thing more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens, self.norm = torch.nn.Embedding(4, 4), torch.nn.LayerNorm(4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+
+class _Plain(_Decoder):
+    def forward(self, input_ids=None, inputs_embeds=None):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            layer_outputs = layer(hidden_states)
+            hidden_states = layer_outputs
+        hidden_states = self.norm(hidden_states)
+        return hidden_states
+
+
+class _AliasRebound(_Decoder):
+    def forward(self, input_ids=None, inputs_embeds=None):
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            out = layer(hidden_states)
+            out = out * 2
+            hidden_states = out
+        return self.norm(hidden_states)
+
+
+class _WritesIntoTheStream(_Decoder):
+    def forward(self, input_ids=None, inputs_embeds=None):
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+            hidden_states[:, :1] += 1
+        return self.norm(hidden_states)
+
+
+class _InPlace(_Decoder):
+    def forward(self, input_ids=None, inputs_embeds=None):
+        inputs_embeds.mul_(2)
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.norm(hidden_states)
+
+
+class _ScaledAfter(_Decoder):
+    def forward(self, input_ids=None, inputs_embeds=None):
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.norm(hidden_states) * 2
+
+
+@pytest.mark.parametrize(
+    "decoder, statement",
+    [
+        (_AliasRebound, "`out = out * 2`"),
+        (_WritesIntoTheStream, "`hidden_states[:, :1] += 1`"),
+        (_InPlace, "`inputs_embeds.mul_(2)`"),
+        (_ScaledAfter, "`self.norm(hidden_states) * 2`"),
+    ],
+)
+def test_a_forward_that_changes_the_stream_beyond_its_layers_is_refused_naming_the_statement(decoder, statement):
+    from lightning_mm.models.hf.structure import pipeline_refusal
+
+    assert pipeline_refusal(_Plain(), "embed_tokens", "layers", "norm") is None  # (a layer output through one name)
+    refusal = pipeline_refusal(decoder(), "embed_tokens", "layers", "norm")
+    assert refusal is not None and statement in refusal, refusal

@@ -159,10 +159,11 @@ def test_positions_that_do_not_say_where_samples_start_are_refused():
 
 def test_packing_is_refused_for_models_whose_layers_carry_state_along_the_row():
     mask, positions = torch.ones(1, 6, dtype=torch.long), torch.tensor([[0, 1, 2, 0, 1, 2]])
-    # Qwen3-Next: three of four layers hold linear attention, a recurrence along the row
-    qwen3_next = _module("qwen3_next")
-    with pytest.raises(ValueError, match=r"packed batch.*'qwen3_next'.*linear_attn.*regroup='none' or 'bucket'"):
-        layout_kwargs(qwen3_next.causal_lm, mask, positions)
+    # Qwen3-Next: three of four layers hold linear attention, a recurrence along the row; MiniMax's linear attention
+    # is even named self_attn, as softmax attention is elsewhere
+    for model_type in ("qwen3_next", "minimax"):
+        with pytest.raises(ValueError, match=rf"packed batch.*'{model_type}'.*\['linear_attention'\].*regroup='none'"):
+            layout_kwargs(_module(model_type).causal_lm, mask, positions)
     llama = _module("llama")
     assert layout_kwargs(llama.causal_lm, mask, positions).keys() == {"position_ids"}
     llama.causal_lm.config._attn_implementation = "flash_attention_2"

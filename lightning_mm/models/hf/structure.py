@@ -74,13 +74,14 @@ def _is_self_attribute(node: ast.AST, names: set[str]) -> bool:
 
 
 def _assignments(tree: ast.AST, name: str) -> list[ast.stmt]:
-    """Statements under ``tree`` that bind ``name`` (``=``, ``+=``, annotated, walrus aside)."""
+    """Statements under ``tree`` that bind ``name`` or write into it (``=``, ``+=``, annotated, a subscript or
+    attribute of it as the target; walrus aside)."""
     found: list[ast.stmt] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
             targets = [t for target in node.targets for t in ast.walk(target)]
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
+            targets = list(ast.walk(node.target))  # (`h[:, :k] += x` binds into h too)
         else:
             continue
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
@@ -133,12 +134,24 @@ def _layer_loop(decoder: nn.Module, layers: str) -> tuple[ast.FunctionDef, Calla
         )
 
     in_loop = _assignments(loop, stream)
+    for alias in outputs - {stream}:  # (bound once, by the layer call: `out = out * s` would change the stream)
+        rebound = [
+            statement for statement in _assignments(loop, alias) if getattr(statement, "value", None) is not call
+        ]
+        if rebound:
+            in_loop.append(rebound[0])
     odd = next((statement for statement in in_loop if not from_layer(statement)), None)
     if odd is not None or len(in_loop) != 1:
         return (
             f"{name}.forward rewrites the residual stream inside the layer loop besides the layer call: "
             f"{where(odd or loop)}"
         )
+    for node in ast.walk(function):  # in-place methods on the stream or the embeddings (`h.mul_(s)`)
+        target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+        method = node.func.attr if target is not None else ""
+        if isinstance(target, ast.Name) and target.id in {stream, "inputs_embeds"} and method.endswith("_"):
+            if not method.startswith("__"):
+                return f"{name}.forward changes the residual stream in place: {where(node)}"
     return function, where, loop, stream
 
 
@@ -192,6 +205,15 @@ def pipeline_refusal(decoder: nn.Module, embed: str, layers: str, norm: str) -> 
                     f"{name}.forward changes the hidden states after its layers other than by self.{norm} "
                     f"({where(statement)}); every pipeline stage runs that code, not only the last"
                 )
+    after = [node for node in ast.walk(function) if getattr(node, "lineno", 0) > loop.end_lineno]
+    for node in after:  # arithmetic on the stream or its normed value after the loop (`self.norm(h) * 2` returned)
+        if isinstance(node, (ast.BinOp, ast.UnaryOp)):
+            operands = [node.left, node.right] if isinstance(node, ast.BinOp) else [node.operand]
+            if any(stream in {n.id for n in ast.walk(operand) if isinstance(n, ast.Name)} for operand in operands):
+                return (
+                    f"{name}.forward changes the hidden states after its layers other than by self.{norm} "
+                    f"({where(node)}); every pipeline stage runs that code, not only the last"
+                )
     return None
 
 
@@ -220,7 +242,11 @@ def packing_refusal(decoder: nn.Module) -> str | None:
         return f"{type(decoder).__name__} has no layers list"
     held = distinct_layers(layers)
     # keyed by what the verdict reads, not by module references: a layer given another child is read again
-    key = (type(decoder), *map(_structure, held))
+    key = (
+        type(decoder),
+        tuple(getattr(getattr(decoder, "config", None), "layer_types", None) or ()),
+        *map(_structure, held),
+    )
     if key not in _PACKING_REFUSALS:
         _PACKING_REFUSALS[key] = _find_packing_refusal(decoder, held)
     return _PACKING_REFUSALS[key]
@@ -241,9 +267,18 @@ def distinct_layers(layers: Iterable[nn.Module]) -> list[nn.Module]:
     return list(found.values())
 
 
+_MASKED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
 def _find_packing_refusal(decoder: nn.Module, layers: list[nn.Module]) -> str | None:
+    config = getattr(decoder, "config", None)
+    kinds = set(getattr(config, "layer_types", None) or ()) - _MASKED_LAYER_TYPES
+    if kinds:  # (MiniMax's and Kimi-Linear's linear attention is named self_attn too)
+        return f"{type(config).__name__}.layer_types holds {sorted(kinds)}, attention that no mask keeps apart"
     for layer in layers:
         refusal = _layer_parts_refusal(layer)
+        if refusal is None:
+            refusal = _masked_attention_refusal(layer.self_attn)
         if refusal is not None:
             return refusal
     parsed = _forward_tree(decoder)
@@ -261,6 +296,29 @@ def _find_packing_refusal(decoder: nn.Module, layers: list[nn.Module]) -> str | 
 
 
 _MASKING_UTILS = "transformers.masking_utils"
+
+
+def _masked_attention_refusal(attention: nn.Module) -> str | None:
+    """None when the attention's forward takes ``attention_mask`` and runs transformers' attention interface
+    (``ALL_ATTENTION_FUNCTIONS`` / ``eager_attention_forward``), which applies it: softmax attention within the mask,
+    no state carried along the row; and no convolution or recurrent module sits inside it."""
+    name = type(attention).__name__
+    stateful = [
+        fqn for fqn, module in attention.named_modules() if isinstance(module, (nn.modules.conv._ConvNd, nn.RNNBase))
+    ]
+    if stateful:
+        return f"{name} holds {stateful} (convolution / recurrent state along the row)"
+    parsed = _forward_tree(attention)
+    if isinstance(parsed, str):
+        return parsed
+    function, _ = parsed
+    if "attention_mask" not in {a.arg for a in function.args.args + function.args.kwonlyargs}:
+        return f"{name}.forward takes no attention_mask"
+    read = {node.id for node in ast.walk(function) if isinstance(node, ast.Name)}
+    read |= {node.attr for node in ast.walk(function) if isinstance(node, ast.Attribute)}
+    if not read & {"ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"}:
+        return f"{name}.forward runs no transformers attention function (ALL_ATTENTION_FUNCTIONS)"
+    return None
 
 
 def sequence_parallel_refusal(layer: nn.Module) -> str | None:
@@ -283,6 +341,11 @@ def sequence_parallel_refusal(layer: nn.Module) -> str | None:
     return None
 
 
+def _is_linear(module: nn.Module | None) -> bool:
+    """An ``nn.Linear``, or a peft LoRA layer around one (its ``base_layer``)."""
+    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
+
+
 def layer_tp_plan(decoder: nn.Module, layers: str = "layers") -> dict[str, str] | str:
     """A ``base_model_tp_plan`` for the decoder layers, read from their structure, for a model whose config declares
     none for them (transformers 5.25's Qwen3-VL text config declares its embedding only), or why not.
@@ -295,14 +358,21 @@ def layer_tp_plan(decoder: nn.Module, layers: str = "layers") -> dict[str, str] 
     found = distinct_layers(getattr(decoder, layers, []))
     if not found:
         return f"{type(decoder).__name__} has no {layers} list"
+    # Exactly these children and no parameters of their own: anything else in the attention (DiffLlama's lambdas and
+    # head-pair norm, StableLM's per-head norm list, BitNet's norm over all heads) would meet its heads split.
     parts = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    allowed = {"self_attn": {"q_norm", "k_norm", "rotary_emb"}, "mlp": {"act_fn"}}
     norms: set[str] = set()
     for layer in found:
         for part, names in parts.items():
             module = getattr(layer, part, None)
-            missing = [name for name in names if not isinstance(getattr(module, name, None), nn.Linear)]
+            missing = [name for name in names if not _is_linear(getattr(module, name, None))]
             if missing:
                 return f"{type(layer).__name__}.{part} has no nn.Linear {missing}"
+            other = sorted(set(dict(module.named_children())) - set(names) - allowed[part])
+            own = [name for name, _ in module.named_parameters(recurse=False)]
+            if other or own:
+                return f"{type(module).__name__} holds {other + own} besides {list(names)}"
         attention = layer.self_attn
         head_dim = getattr(attention, "head_dim", None)
         for norm in ("q_norm", "k_norm"):
