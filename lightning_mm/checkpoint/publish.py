@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import io
 import json
 import logging
 import os
@@ -19,13 +20,16 @@ import torch.distributed as dist
 
 from lightning_mm.checkpoint.errors import (
     COMPLETE_FILE,
+    METADATA_FILE,
+    TOPOLOGY_FILE,
+    TOPOLOGY_KEY,
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
 from lightning_mm.checkpoint.files import _link_refused, _read_inside
-from lightning_mm.checkpoint.safe_pickle import _is_plain_name
+from lightning_mm.checkpoint.safe_pickle import _is_plain_name, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -231,12 +235,18 @@ def _sibling(final: Path, kind: str) -> Path:
     return final.with_name(f".{final.name}.{kind}")
 
 
+def _retired(path: Path) -> bool:
+    """A directory of ours that :func:`_publish` retired (no ``COMPLETE`` marker; not Lightning's, which has none)."""
+    unmarked = path.is_dir() and not path.is_symlink() and not (path / COMPLETE_FILE).exists()
+    return unmarked and not written_by_lightning(path)
+
+
 def _recover(final: Path) -> Path | None:
     """Where ``final`` is missing, or a directory retired by :func:`_publish` (no ``COMPLETE`` marker), put the
     newest complete hidden copy in its place: ``.NAME.partial`` or ``.NAME.new`` (the save that was being
     published), else ``.NAME.old`` (the copy it replaced). Returns the copy restored, ``None`` when nothing needed
     restoring."""
-    retired = final.is_dir() and not final.is_symlink() and not (final / COMPLETE_FILE).exists()
+    retired = _retired(final)
     candidate = _newest_complete(final)
     if candidate == final:
         return None
@@ -266,10 +276,27 @@ def recover_checkpoint(path: str | Path) -> bool:
     return restored[0] is not None
 
 
+def written_by_lightning(path: Path, weights_only: bool | None = True) -> bool:
+    """Whether the directory ``path`` (no ``COMPLETE`` marker) is a sharded checkpoint of Lightning's
+    ``ModelParallelStrategy``: DCP's ``.metadata`` and ``meta.pt``, no ``topology.json``, and a ``meta.pt`` (read
+    safely, inside the directory) without the lightning-mm topology that every save of ours records, so a directory
+    of ours (interrupted, or retired by :func:`_publish`) is never taken for one."""
+    if path.is_symlink() or not path.is_dir() or (path / COMPLETE_FILE).exists() or (path / TOPOLOGY_FILE).exists():
+        return False
+    if not ((path / ".metadata").is_file() and (path / METADATA_FILE).is_file()):
+        return False
+    try:
+        metadata = safe_load(io.BytesIO(_read_inside(path, METADATA_FILE)), str(path / METADATA_FILE), weights_only)
+    except (OSError, CheckpointError):
+        return False
+    return isinstance(metadata, dict) and TOPOLOGY_KEY not in metadata
+
+
 def _newest_complete(path: Path) -> Path:
     """What a reader of ``path`` should read: ``path``, or where it is missing or retired (:func:`_publish`), the
-    newest complete hidden copy beside it. Changes nothing on disk (reads may run on a read-only copy)."""
-    retired = path.is_dir() and not path.is_symlink() and not (path / COMPLETE_FILE).exists()
+    newest complete hidden copy beside it. Changes nothing on disk (reads may run on a read-only copy). A directory
+    of Lightning's ``ModelParallelStrategy`` (:func:`written_by_lightning`) is read as it is."""
+    retired = _retired(path)
     if path.is_symlink() or (path.exists() and not retired):
         return path
     for candidate in (_sibling(path, "partial"), _sibling(path, "new"), _sibling(path, "old")):

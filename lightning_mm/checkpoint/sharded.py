@@ -52,6 +52,7 @@ from lightning_mm.checkpoint.publish import (
     _write_complete_marker,
     check_complete,
     write_atomically,
+    written_by_lightning,
 )
 from lightning_mm.checkpoint.safe_pickle import safe_load
 from lightning_mm.validation import escapes_directory
@@ -83,10 +84,18 @@ def check_finished(path: str | Path, weights_only: bool | None = True) -> str:
         check_complete(path)
         return "lightning-mm"
     except IncompleteCheckpointError:
-        if not path.is_dir() or (path / TOPOLOGY_FILE).exists() or not is_sharded_checkpoint(path):
+        if not written_by_lightning(path, weights_only):
             raise
-        if TOPOLOGY_KEY in _read_meta(path, weights_only):
-            raise
+    # Lightning writes into the directory in place: shards, then .metadata, then meta.pt. Older .metadata or meta.pt
+    # than a shard is a save over an earlier one that did not finish.
+    shards = [entry.stat().st_mtime_ns for entry in path.iterdir() if entry.name.endswith(".distcp")]
+    written = [(path / name).stat().st_mtime_ns for name in (".metadata", METADATA_FILE)]
+    if shards and not max(shards) <= written[0] <= written[1]:
+        raise IncompleteCheckpointError(
+            f"checkpoint directory {str(path)!r} of Lightning's ModelParallelStrategy is incomplete: a shard is newer "
+            f"than its .metadata or {METADATA_FILE}, so a save over an earlier one did not finish; resume from an "
+            "earlier checkpoint"
+        )
     log.info(
         "checkpoint %s was written by Lightning's ModelParallelStrategy (no %s marker and no lightning-mm topology): "
         "loading it; its files are not checked against the sizes a marker would list",
@@ -117,6 +126,9 @@ def save_sharded(
     """
     final = Path(path)
     staging = _sibling(final, "partial")
+    # (the key marks the directory as ours even before its marker: check_finished tells an interrupted save of ours
+    # from a finished one of Lightning's by it)
+    metadata = {TOPOLOGY_KEY: {}, **metadata}
 
     def prepare() -> None:
         restored = _recover(final)  # (before anything of an interrupted earlier save is removed)

@@ -185,3 +185,33 @@ def _fit_fsdp1(rank: int, world: int) -> str:
 def test_fsdp1_wrapped_modules_are_refused_at_setup():
     for message in run_distributed(_fit_fsdp1, 2):
         assert "FullyShardedDataParallel (FSDP1)" in message and "fully_shard" in message, message
+
+
+def test_a_lightning_directory_is_never_taken_for_a_retired_one_of_ours(tmp_path):
+    # A stale complete hidden copy beside it (.NAME.old, left by an interrupted publish of ours) must not replace it:
+    # recovery restores only over a directory of ours whose marker a publish removed.
+    import os
+    import shutil
+
+    from lightning_mm.checkpoint import recover_checkpoint
+    from lightning_mm.checkpoint.publish import _newest_complete, _write_complete_marker
+
+    final = _lightning_directory(tmp_path / "last.ckpt")
+    stale = tmp_path / ".last.ckpt.old"
+    shutil.copytree(final, stale)
+    _write_complete_marker(stale)
+    assert _newest_complete(final) == final
+    assert not recover_checkpoint(final) and (final / "meta.pt").exists() and stale.exists()
+    # ... while one of ours retired in place (topology recorded, marker gone) still gives way to the complete copy
+    ours = _lightning_directory(tmp_path / "ours.ckpt", topology=True)
+    shutil.copytree(ours, tmp_path / ".ours.ckpt.old")
+    _write_complete_marker(tmp_path / ".ours.ckpt.old")
+    assert recover_checkpoint(ours) and (ours / "COMPLETE").exists()
+    # a save of Lightning's over an earlier one, killed before its .metadata and meta.pt: shards newer than both
+    shard = next(final.glob("*.distcp"))
+    later = (final / "meta.pt").stat().st_mtime_ns + 10**9
+    os.utime(shard, ns=(later, later))
+    from lightning_mm.checkpoint import IncompleteCheckpointError, check_finished
+
+    with pytest.raises(IncompleteCheckpointError, match=r"a shard is newer than its \.metadata or meta\.pt"):
+        check_finished(final)
