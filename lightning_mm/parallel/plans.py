@@ -283,6 +283,12 @@ def stage_plan(
     }
 
 
+def _base_linear(module: nn.Module | None) -> nn.Linear | None:
+    """``module`` if an ``nn.Linear``, the one a peft LoRA layer wraps (``base_layer``), else None."""
+    base = getattr(module, "base_layer", module)
+    return base if isinstance(base, nn.Linear) else None
+
+
 def _check_divisibility(model: nn.Module, styles: dict[str, ParallelStyle], tp: int) -> None:
     """Fail before sharding when ``tp`` cannot split heads or features evenly.
 
@@ -294,21 +300,19 @@ def _check_divisibility(model: nn.Module, styles: dict[str, ParallelStyle], tp: 
     # (transformers' "colwise_gather_output": Phi-3's fused qkv_proj, OLMo 2's q / k / v ahead of a norm over all
     # heads) leaves every rank all heads, so no head count needs to divide.
     head_split = {
-        fqn
+        fqn.removesuffix(".base_layer")  # (a LoRA layer's base is split, its adapters follow)
         for fqn, style in styles.items()
         if isinstance(style, ColwiseParallel) and all(layout.is_shard() for layout in style.output_layouts)
     }
     for fqn, module in modules.items():
         head_dim = getattr(module, "head_dim", None)
         projections = [f"{fqn}.{name}" if fqn else name for name in ("q_proj", "k_proj", "v_proj")]
-        if not isinstance(head_dim, int) or not isinstance(getattr(module, "q_proj", None), nn.Linear):
+        q_proj, k_proj = (_base_linear(getattr(module, name, None)) for name in ("q_proj", "k_proj"))
+        if not isinstance(head_dim, int) or q_proj is None or not head_split.intersection(projections):
             continue
-        if not head_split.intersection(projections):
-            continue
-        heads = module.q_proj.out_features // head_dim
+        heads = q_proj.out_features // head_dim
         check_divisible(f"{fqn or type(module).__name__} heads", heads, "tensor_parallel", tp)
-        k_proj = getattr(module, "k_proj", None)
-        if isinstance(k_proj, nn.Linear) and k_proj.out_features != module.q_proj.out_features:
+        if k_proj is not None and k_proj.out_features != q_proj.out_features:
             # grouped-query attention: whole key/value heads per rank too, or a rank's queries see another's keys
             kv_heads = k_proj.out_features // head_dim
             check_divisible(f"{fqn or type(module).__name__} key/value heads", kv_heads, "tensor_parallel", tp)

@@ -307,7 +307,7 @@ def _adapter_refusals(cfg: Mapping[str, Any]) -> dict[str, str | None]:
             module = HFCausalLMModule(config=dict(cfg))
     except ImportError as error:
         return dict.fromkeys(axes, f"the HF adapter needs transformers ({error})")
-    except (ValueError, KeyError, TypeError, AssertionError) as error:  # a model_type or config transformers refuses
+    except Exception as error:  # a model_type or config transformers refuses (ValueError, AssertionError, ...)
         return dict.fromkeys(axes, f"transformers cannot build this config ({error})")
     refusals: dict[str, str | None] = {}
     for axis, degrees, sequence_parallel in (
@@ -323,4 +323,6 @@ def _adapter_refusals(cfg: Mapping[str, Any]) -> dict[str, str | None]:
             refusals[axis] = None
         except ValueError as error:
             refusals[axis] = str(error)
+        except Exception as error:  # (not a refusal: the adapter failed on this config; said, not raised)
+            refusals[axis] = f"the HF adapter failed on {cfg.get('model_type')!r} ({type(error).__name__}: {error})"
     return refusals

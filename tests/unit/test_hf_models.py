@@ -204,6 +204,12 @@ def test_kv_heads_must_divide_over_tensor_parallel():
     _check_divisibility(lightning_module, styles, 2)
     with pytest.raises(ValueError, match=r"key/value heads"):
         _check_divisibility(lightning_module, styles, 4)  # 4 query heads split, but 2 KV heads cannot
+    # the same with LoRA on q / v: their base layers are split, the check reads them (it skipped them before)
+    lora = HFCausalLMModule(
+        config={"model_type": "llama", **TEXT}, lora={"r": 2, "target_modules": ["q_proj", "v_proj"]}
+    )
+    with pytest.raises(ValueError, match=r"key/value heads"):
+        _check_divisibility(lora, resolve_plan(lora, lora.parallel_plan().tp_plan), 4)
     # Phi-3's fused qkv_proj gathers its output ("colwise_gather_output"): every rank computes all heads
     phi3 = module("phi3")
     _check_divisibility(phi3, resolve_plan(phi3, phi3.parallel_plan().tp_plan), 4)
@@ -430,6 +436,23 @@ def test_freeze_stops_the_named_parts_only(model_type):
         HFCausalLMModule(config=copy.deepcopy(config), freeze=["tower"])
     with pytest.raises(ValueError, match=r"LlamaForCausalLM has no vision \(its parts: \['decoder'\]\)"):
         HFCausalLMModule(config={"model_type": "llama", **TEXT}, freeze=["vision"])
+    with pytest.raises(ValueError, match=r"the decoder holds LoRA adapters .* leave the part out of freeze"):
+        HFCausalLMModule(config=copy.deepcopy(config), freeze=["decoder"], lora={"r": 2, "target_modules": ["q_proj"]})
+    with pytest.raises(ValueError, match=r"leaves nothing of .* to train"):
+        HFCausalLMModule(config=copy.deepcopy(config), freeze=["vision", "projector", "decoder"])
+
+
+def test_qwen3_vl_deepstack_mergers_are_projectors():
+    from lightning_mm.models.hf.parts import model_parts
+    from tests.hf_models import QWEN3_VL
+
+    lm = HFCausalLMModule(config=copy.deepcopy(QWEN3_VL)).model
+    names = {id(param): name for name, param in lm.named_parameters()}
+    projector = {names[id(param)] for param in model_parts(lm)["projector"]}
+    assert any(".deepstack_merger_list." in name for name in projector) and any(
+        ".merger." in name for name in projector
+    )
+    assert not any("merger" in names[id(param)] for param in model_parts(lm)["vision"])
 
 
 def test_qwen3_vl_gets_its_layers_tp_plan_from_their_structure_and_no_sequence_parallel():
@@ -533,3 +556,16 @@ def test_a_forward_that_changes_the_stream_beyond_its_layers_is_refused_naming_t
     assert pipeline_refusal(_Plain(), "embed_tokens", "layers", "norm") is None  # (a layer output through one name)
     refusal = pipeline_refusal(decoder(), "embed_tokens", "layers", "norm")
     assert refusal is not None and statement in refusal, refusal
+
+
+def test_a_qwen_vl_batch_missing_what_its_images_need_is_refused_naming_the_key():
+    from tests.hf_models import QWEN2_5_VL, qwen_vl_batches
+
+    lightning_module = HFCausalLMModule(config=copy.deepcopy(QWEN2_5_VL))
+    (batch,) = qwen_vl_batches(0, 1, 1, global_batch=2)
+    with pytest.raises(ValueError, match=r"needs image_grid_thw"):
+        lightning_module._loss({key: value for key, value in batch.items() if key != "image_grid_thw"})
+    with pytest.raises(ValueError, match=r"image_grid_thw but no pixel_values"):
+        lightning_module._loss({key: value for key, value in batch.items() if key != "pixel_values"})
+    with pytest.raises(ValueError, match=r"\['video_grid_thw'\]: video inputs are not trained yet"):
+        lightning_module._loss({**batch, "video_grid_thw": torch.tensor([[2, 2, 2]])})

@@ -239,6 +239,11 @@ def image_token_types(lm: Any, input_ids: torch.Tensor, given: dict[str, Any]) -
     token = getattr(config, "image_token_id", None)
     token = getattr(config, "image_token_index", None) if token is None else token
     accepted = inspect.signature(type(lm).forward).parameters
+    if "image_grid_thw" in accepted and given.get("image_grid_thw") is None:
+        raise ValueError(
+            f"a batch with pixel_values for {type(lm).__name__} needs image_grid_thw (images, 3): each image's "
+            "(t, h, w) patch grid, as its processor gives it"
+        )
     missing = [key for key in ("mm_token_type_ids", "token_type_ids") if key in accepted and given.get(key) is None]
     if token is None or not missing:
         return {}

@@ -301,6 +301,8 @@ class HFCausalLMModule(L.LightningModule):
         parallel (loss parallel; under pipeline parallel the schedule, not this method, computes the training loss)."""
         lm = self.causal_lm
         images = pixel_values is not None and pixel_values.shape[0] > 0
+        if not images and image_inputs.get("image_grid_thw") is not None:
+            raise ValueError("a batch with image_grid_thw but no pixel_values: its image tokens would train as text")
         extra = {"pixel_values": pixel_values, **image_inputs} if images else {}
         if images:
             extra |= image_token_types(lm, input_ids, extra)

@@ -488,6 +488,9 @@ def as_causal_lm_batch(batch: Any, images: ImageTokens | None = None) -> dict[st
         # The model's own image inputs, as its processor makes them (LLaVA: pixel_values (images, 3, H, W) in the order
         # of the image tokens; Qwen-VL: flattened patches (patches, C * T * P * P) and image_grid_thw (images, 3))
         out.update({key: batch[key] for key in IMAGE_INPUTS if batch.get(key) is not None})
+        videos = sorted(key for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts") if key in batch)
+        if videos:  # (dropped, the video tokens would train as text)
+            raise ValueError(f"batch {videos}: video inputs are not trained yet; give image-only batches")
         return out
     raise TypeError(
         f"a causal LM batch must be a MultimodalBatch, an (R, T) integer tensor of input ids, or a mapping with "
