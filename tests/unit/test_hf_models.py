@@ -395,20 +395,34 @@ def test_a_tp_plan_typo_under_pipeline_parallel_is_refused_on_every_stage():
         stage_plan(llama, typo, unsplit)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
-def test_a_qwen_vl_batch_without_images_still_runs_the_vision_tower(model_type):
-    # Under FSDP2 every rank must run the tower's units, every parameter of them (tests/distributed/
-    # test_hf_causal_lm.py, qwen*_vl_text_rank; Qwen3-VL's deepstack mergers left out once made gloo abort): a blank
-    # merge window of patches goes through it, adding zero.
-    from tests.hf_models import QWEN2_5_VL, QWEN3_VL, qwen_vl_batches
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "gemma3", "llava"])
+def test_a_batch_without_images_reaches_the_parameters_an_image_reaches(model_type):
+    # Under FSDP2 every rank must run the tower's units and give the same parameters gradients as its peers, or the
+    # reduce-scatters differ and gloo aborts (tests/distributed/test_hf_causal_lm.py, *_text_rank): a blank image
+    # goes through exactly what a real one reaches (Qwen3-VL's deepstack mergers too; not LLaVA's last vision layer,
+    # whose output LLaVA does not use), adding zero.
+    from tests.distributed.test_hf_causal_lm import image_text_batches, llama_batches
+    from tests.hf_models import GEMMA3_VL, QWEN2_5_VL, QWEN3_VL, gemma3_vl_batches, qwen_vl_batches
 
-    lightning_module = HFCausalLMModule(config=copy.deepcopy(QWEN3_VL if model_type == "qwen3_vl" else QWEN2_5_VL))
-    (batch,) = qwen_vl_batches(0, 1, 1, global_batch=2, text_only_rows=range(2))
-    assert "pixel_values" not in batch
-    loss, _ = lightning_module._loss(batch)
-    loss.backward()
-    tower = lightning_module.model.model.visual
-    assert all(p.grad is not None and not p.grad.any() for p in tower.parameters())  # ran, and changed nothing
+    configs = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "gemma3": GEMMA3_VL, "llava": LLAVA}
+    lightning_module = HFCausalLMModule(config=copy.deepcopy(configs[model_type]))
+    if model_type == "llava":  # (the same rows with and without their image tokens and pixels)
+        with_images, without = image_text_batches(0, 1)[0], llama_batches(0, 1)[0]
+    else:
+        make = gemma3_vl_batches if model_type == "gemma3" else qwen_vl_batches
+        ((with_images,), (without,)) = make(0, 1, 1, global_batch=2), make(0, 1, 1, 2, text_only_rows=range(2))
+        assert "pixel_values" not in without
+
+    def reached(batch) -> set[str]:
+        lightning_module.zero_grad(set_to_none=True)
+        lightning_module._loss(batch)[0].backward()
+        return {name for name, param in lightning_module.named_parameters() if param.grad is not None}
+
+    assert reached(without) == reached(with_images)
+    tower = [name for name in reached(without) if "vis" in name]
+    assert tower and all(not param.grad.any() for name, param in lightning_module.named_parameters() if name in tower)
+    if model_type not in ("qwen2_5_vl", "qwen3_vl"):
+        return
     plan = lightning_module.parallel_plan(microbatches=2)
     assert sum(type(block).__name__.endswith("VisionBlock") for block in plan.blocks) == 2  # FSDP2 units
     with pytest.raises(

@@ -103,10 +103,12 @@ def vision_without_images(lm: Any) -> Iterator[None]:
 
     def add_zero(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
         features = lm.model.get_image_features(**blank_image_inputs(lm, output))
-        # every tensor the tower returns, so every parameter it used gets its (zero) gradient: Qwen3-VL's deepstack
-        # mergers make features beside pooler_output, and a rank whose FSDP2 unit lacks some gradients reduce-
-        # scatters other sizes than its peers (gloo aborts)
-        return output + sum(tensor.sum() for tensor in _tensors(features)) * 0.0
+        # exactly what the model feeds on, so exactly the parameters a real image reaches get a (zero) gradient: a
+        # rank whose FSDP2 unit has gradients its peers lack, or lacks theirs, reduce-scatters other sizes (gloo
+        # aborts). The pooled features, and Qwen3-VL's deepstack features beside them; not the tower's last hidden
+        # state, which LLaVA does not use (its features come from the layer before).
+        used = [features.pooler_output, getattr(features, "deepstack_features", None)]
+        return output + sum(tensor.sum() for tensor in _tensors(used)) * 0.0
 
     handle = lm.get_input_embeddings().register_forward_hook(add_zero)
     try:
