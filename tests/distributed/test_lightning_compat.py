@@ -215,3 +215,44 @@ def test_a_lightning_directory_is_never_taken_for_a_retired_one_of_ours(tmp_path
 
     with pytest.raises(IncompleteCheckpointError, match=r"a shard is newer than its \.metadata or meta\.pt"):
         check_finished(final)
+
+
+def _state_dict_kinds(rank: int, world: int, kind: str, sharded: bool, path: str) -> dict:
+    """One epoch under ``kind``'s strategy, then what ``lightning_module_state_dict`` gives this rank (``{name:
+    (type, shape)}``) and, one-file, the checkpoint written at ``path``."""
+    from torch.distributed.tensor import DTensor
+
+    L.seed_everything(SEED, verbose=False)
+    module = LightningStyleModule()
+    trainer = quiet_trainer(world, _strategy(kind, 1, 2, sharded), -1, precision="64-true", max_epochs=1)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_batches(STEPS), batch_size=None))
+    state = trainer.strategy.lightning_module_state_dict()
+    kinds = {
+        name: (type(value).__name__ if isinstance(value, DTensor) else "Tensor", tuple(value.shape))
+        for name, value in state.items()
+    }
+    trainer.save_checkpoint(path)
+    return {"kinds": kinds, "params": {name: full_copy(p) for name, p in module.named_parameters()}}
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "one_file"])
+def test_the_state_dict_and_checkpoint_files_are_lightnings(tmp_path, sharded):
+    """``lightning_module_state_dict`` gives each rank what Lightning's class gives it (sharded: DTensors of the whole
+    shapes on every rank; one-file: whole tensors on rank 0, nothing elsewhere), and a one-file checkpoint of either
+    class loads into a plain, unparallelised model with ``torch.load(weights_only=True)``."""
+    results = {
+        kind: run_distributed(_state_dict_kinds, 2, kind, sharded, str(tmp_path / f"{kind}.ckpt"))
+        for kind in ("lightning", "ours")
+    }
+    for theirs, mine in zip(results["lightning"], results["ours"], strict=True):
+        assert mine["kinds"] == theirs["kinds"]
+    assert all(kind == ("DTensor" if sharded else "Tensor") for kind, _ in results["ours"][0]["kinds"].values())
+    assert results["ours"][1]["kinds"] == ({} if not sharded else results["ours"][0]["kinds"])
+    if sharded:
+        return
+    for kind in ("lightning", "ours"):
+        plain = LightningStyleModule().double()  # (trained in float64)
+        checkpoint = torch.load(tmp_path / f"{kind}.ckpt", weights_only=True, map_location="cpu")
+        plain.load_state_dict(checkpoint["state_dict"])
+        for name, value in plain.named_parameters():
+            torch.testing.assert_close(value, results[kind][0]["params"][name], rtol=0, atol=0, msg=f"{kind} {name}")
