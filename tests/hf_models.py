@@ -111,15 +111,7 @@ GEMMA3_IMAGE, GEMMA3_BOI, GEMMA3_EOI = VOCAB - 1, VOCAB - 2, VOCAB - 3
 GEMMA3_VL = {
     "model_type": "gemma3",
     "text_config": {key: value for key, value in FAMILIES["gemma3"].items() if key != "model_type"},
-    "vision_config": {
-        "model_type": "siglip_vision_model",
-        "image_size": 16,
-        "patch_size": 4,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-    },
+    "vision_config": {**LLAVA["vision_config"], "model_type": "siglip_vision_model"},  # (LLaVA's sizes, SigLIP)
     "mm_tokens_per_image": 4,  # (the 4 x 4 patch features pooled to 2 x 2)
     "image_token_index": GEMMA3_IMAGE,
     "boi_token_index": GEMMA3_BOI,
@@ -129,13 +121,14 @@ GEMMA3_VL = {
 (``token_type_ids``), sliding-window and full-attention text layers, soft-capped logits."""
 
 
-def gemma3_vl_batches(
-    dp_rank: int, dp: int, count: int, global_batch: int = 8, text_only_rows: range = range(0)
+def _image_caption_batches(
+    draw_image, pixel_inputs, seed: int, dp_rank: int, dp: int, count: int, global_batch: int, text_only_rows: range
 ) -> list[dict[str, torch.Tensor]]:
-    """As :func:`qwen_vl_batches` for :data:`GEMMA3_VL`: ``<boi> <image> * 4 <eoi>`` and a caption per row,
-    ``pixel_values (images, 3, 16, 16)`` of this rank's rows in order; no ``token_type_ids`` (the module marks the
-    image tokens, as the processor would)."""
-    gen = torch.Generator().manual_seed(13)
+    """``count`` global batches of one image (its placeholder tokens from ``draw_image(gen) -> (tokens, image)``) and
+    a learnable caption per row, right padding, labels on the caption only; this data-parallel rank's rows, its
+    images' model inputs from ``pixel_inputs(images) -> dict``. ``text_only_rows``: rows of the global batch without
+    an image. Every rank draws the whole global batch, so any data-parallel split sees the same samples."""
+    gen = torch.Generator().manual_seed(seed)
     per, batches = global_batch // dp, []
     for _ in range(count):
         rows = []
@@ -145,25 +138,39 @@ def gemma3_vl_batches(
                 int(torch.randint(1, 4, (), generator=gen)),
             )
             caption = 1 + (start + stride * torch.arange(int(torch.randint(4, 9, (), generator=gen)))) % (VOCAB - 8)
-            if row in text_only_rows:
-                rows.append((caption, None))
-                continue
-            image = torch.tensor([GEMMA3_BOI, *[GEMMA3_IMAGE] * 4, GEMMA3_EOI])
-            rows.append((torch.cat([image, caption]), torch.randn(3, 16, 16, generator=gen)))
-        length = max(len(tokens) for tokens, _ in rows)
+            placeholder, image = (torch.zeros(0, dtype=torch.long), None)
+            if row not in text_only_rows:
+                placeholder, image = draw_image(gen)
+            rows.append((placeholder, caption, image))
+        length = max(len(placeholder) + len(caption) for placeholder, caption, _ in rows)
         ids, labels = torch.zeros(global_batch, length, dtype=torch.long), torch.full((global_batch, length), -100)
         mask = torch.zeros_like(ids)
-        for row, (tokens, pixels) in enumerate(rows):
+        for row, (placeholder, caption, _) in enumerate(rows):
+            tokens = torch.cat([placeholder, caption])
             ids[row, : len(tokens)], mask[row, : len(tokens)] = tokens, 1
-            first_caption = 0 if pixels is None else 6
-            labels[row, first_caption : len(tokens)] = tokens[first_caption:]
+            labels[row, len(placeholder) : len(tokens)] = caption
         mine = slice(dp_rank * per, (dp_rank + 1) * per)
-        images = [pixels for _, pixels in rows[mine] if pixels is not None]
+        images = [image for _, _, image in rows[mine] if image is not None]
         batch = {"input_ids": ids[mine], "attention_mask": mask[mine], "labels": labels[mine]}
-        if images:
-            batch["pixel_values"] = torch.stack(images)
-        batches.append(batch)
+        batches.append(batch | (pixel_inputs(images) if images else {}))
     return batches
+
+
+def gemma3_vl_batches(
+    dp_rank: int, dp: int, count: int, global_batch: int = 8, text_only_rows: range = range(0)
+) -> list[dict[str, torch.Tensor]]:
+    """As :func:`qwen_vl_batches` for :data:`GEMMA3_VL`: ``<boi> <image> * 4 <eoi>`` and a caption per row,
+    ``pixel_values (images, 3, 16, 16)`` of this rank's rows in order; no ``token_type_ids`` (the module marks the
+    image tokens, as the processor would)."""
+
+    def draw(gen):
+        tokens = torch.tensor([GEMMA3_BOI, *[GEMMA3_IMAGE] * 4, GEMMA3_EOI])
+        return tokens, torch.randn(3, 16, 16, generator=gen)
+
+    def inputs(images):
+        return {"pixel_values": torch.stack(images)}
+
+    return _image_caption_batches(draw, inputs, 13, dp_rank, dp, count, global_batch, text_only_rows)
 
 
 def qwen_vl_batches(
@@ -173,38 +180,19 @@ def qwen_vl_batches(
     ``<vision_start> <image_pad> * (h * w / 4) <vision_end>`` and a learnable caption, right padding; flattened
     patches ``pixel_values (patches, 3 * 2 * 4 * 4)`` and ``image_grid_thw (images, 3)`` of this rank's images, in
     row order; labels on the caption only. ``text_only_rows``: rows (of the global batch) without an image."""
-    gen = torch.Generator().manual_seed(11)
-    per, batches = global_batch // dp, []
-    for _ in range(count):
-        rows = []
-        for row in range(global_batch):
-            start, stride = (
-                int(torch.randint(1, VOCAB - 8, (), generator=gen)),
-                int(torch.randint(1, 4, (), generator=gen)),
-            )
-            caption = 1 + (start + stride * torch.arange(int(torch.randint(4, 9, (), generator=gen)))) % (VOCAB - 8)
-            if row in text_only_rows:
-                rows.append((caption, None, None))
-                continue
-            grid = (1, 2 * int(torch.randint(1, 3, (), generator=gen)), 2 * int(torch.randint(1, 3, (), generator=gen)))
-            image = torch.tensor([QWEN_VL_START, *[QWEN_VL_IMAGE] * (grid[1] * grid[2] // 4), QWEN_VL_END])
-            pixels = torch.randn(grid[1] * grid[2], 3 * 2 * 4 * 4, generator=gen)
-            rows.append((torch.cat([image, caption]), grid, pixels))
-        length = max(len(tokens) for tokens, _, _ in rows)
-        ids, labels = torch.zeros(global_batch, length, dtype=torch.long), torch.full((global_batch, length), -100)
-        mask = torch.zeros_like(ids)
-        for row, (tokens, grid, _) in enumerate(rows):
-            ids[row, : len(tokens)], mask[row, : len(tokens)] = tokens, 1
-            first_caption = 0 if grid is None else grid[1] * grid[2] // 4 + 2
-            labels[row, first_caption : len(tokens)] = tokens[first_caption:]
-        mine = slice(dp_rank * per, (dp_rank + 1) * per)
-        images = [(grid, pixels) for _, grid, pixels in rows[mine] if grid is not None]
-        batch = {"input_ids": ids[mine], "attention_mask": mask[mine], "labels": labels[mine]}
-        if images:
-            batch["pixel_values"] = torch.cat([pixels for _, pixels in images])
-            batch["image_grid_thw"] = torch.tensor([grid for grid, _ in images])
-        batches.append(batch)
-    return batches
+
+    def draw(gen):
+        grid = (1, 2 * int(torch.randint(1, 3, (), generator=gen)), 2 * int(torch.randint(1, 3, (), generator=gen)))
+        tokens = torch.tensor([QWEN_VL_START, *[QWEN_VL_IMAGE] * (grid[1] * grid[2] // 4), QWEN_VL_END])
+        return tokens, (grid, torch.randn(grid[1] * grid[2], 3 * 2 * 4 * 4, generator=gen))
+
+    def inputs(images):
+        return {
+            "pixel_values": torch.cat([pixels for _, pixels in images]),
+            "image_grid_thw": torch.tensor([grid for grid, _ in images]),
+        }
+
+    return _image_caption_batches(draw, inputs, 11, dp_rank, dp, count, global_batch, text_only_rows)
 
 
 def hf_model(config: dict, **kwargs) -> torch.nn.Module:

@@ -411,6 +411,20 @@ def test_a_batch_without_images_still_runs_the_vision_tower():
     assert tower and all(not grad.any() for grad in tower)
 
 
+def _packed_into_one_row(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A mapping batch of right-padded rows as one packed row (positions restarting at each sample, no mask), its
+    image inputs as they are (the same images in the same order)."""
+    real = batch["attention_mask"] == 1
+    rows = [ids[mask] for ids, mask in zip(batch["input_ids"], real, strict=True)]
+    images = {key: batch[key] for key in ("pixel_values", "image_grid_thw") if key in batch}
+    return {
+        "input_ids": torch.cat(rows)[None],
+        "labels": torch.cat([labels[mask] for labels, mask in zip(batch["labels"], real, strict=True)])[None],
+        "position_ids": torch.cat([torch.arange(len(row)) for row in rows])[None],
+        **images,
+    }
+
+
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
 def test_a_qwen_vl_model_trains_on_its_processors_inputs_packed_or_not(model_type):
     """Qwen2.5-VL and Qwen3-VL through ``HFCausalLMModule`` on the inputs their processor makes (flattened patches,
@@ -436,15 +450,7 @@ def test_a_qwen_vl_model_trains_on_its_processors_inputs_packed_or_not(model_typ
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
 
-    rows = [ids[mask == 1] for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
-    labels = [row_labels[mask == 1] for row_labels, mask in zip(batch["labels"], batch["attention_mask"], strict=True)]
-    packed = {
-        "input_ids": torch.cat(rows)[None],
-        "labels": torch.cat(labels)[None],
-        "position_ids": torch.cat([torch.arange(len(row)) for row in rows])[None],
-        "pixel_values": batch["pixel_values"],
-        "image_grid_thw": batch["image_grid_thw"],
-    }
+    packed = _packed_into_one_row(batch)
     packed_loss, packed_data = module._loss(packed)
     assert (packed_data["targets"] != IGNORE_INDEX).sum() == tokens  # no target crosses into the next sample
     torch.testing.assert_close(packed_loss, loss, rtol=1e-10, atol=0)
@@ -477,14 +483,7 @@ def test_gemma3_vl_image_tokens_see_each_other_packed_or_not():
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
     assert abs(float(torch.nn.functional.cross_entropy(causal[:, :-1].flatten(0, 1), shifted) - expected)) > 1e-6
 
-    rows = [ids[mask == 1] for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
-    labels = [row_labels[mask == 1] for row_labels, mask in zip(batch["labels"], batch["attention_mask"], strict=True)]
-    packed = {
-        "input_ids": torch.cat(rows)[None],
-        "labels": torch.cat(labels)[None],
-        "position_ids": torch.cat([torch.arange(len(row)) for row in rows])[None],
-        "pixel_values": batch["pixel_values"],
-    }
+    packed = _packed_into_one_row(batch)
     packed_loss, packed_data = module._loss(packed)
     assert (packed_data["targets"] != IGNORE_INDEX).sum() == (data["targets"] != IGNORE_INDEX).sum()
     torch.testing.assert_close(packed_loss, loss, rtol=1e-10, atol=0)
