@@ -256,3 +256,44 @@ def test_the_state_dict_and_checkpoint_files_are_lightnings(tmp_path, sharded):
         plain.load_state_dict(checkpoint["state_dict"])
         for name, value in plain.named_parameters():
             torch.testing.assert_close(value, results[kind][0]["params"][name], rtol=0, atol=0, msg=f"{kind} {name}")
+
+
+class _SamplerModule(LightningStyleModule):
+    """Lightning's own data path: a ``train_dataloader`` the Trainer gives a ``DistributedSampler``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def train_dataloader(self):
+        inputs = torch.arange(16 * 12, dtype=torch.float64).view(16, 12)
+        samples = list(zip(inputs, torch.zeros(16, 3, dtype=torch.float64), strict=True))
+        return torch.utils.data.DataLoader(samples, batch_size=2)
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0][:, 0].clone())
+        return super().training_step(batch, batch_idx)
+
+
+def _batches_seen(rank: int, world: int, kind: str, dp: int, tp: int) -> dict:
+    from torch.utils.data import DistributedSampler
+
+    L.seed_everything(SEED, verbose=False)
+    module = _SamplerModule()
+    trainer = quiet_trainer(
+        world, _strategy(kind, dp, tp), -1, precision="64-true", max_epochs=1, use_distributed_sampler=True
+    )
+    trainer.fit(module)
+    return {
+        "seen": [batch.tolist() for batch in module.seen],
+        "sampler": isinstance(trainer.train_dataloader.sampler, DistributedSampler),
+    }
+
+
+def test_the_data_is_split_over_data_parallel_only_as_lightning_splits_it():
+    # fsdp2 x tp2 on 4 ranks (ranks 0 and 1 one tp group): tp peers see the same batches, dp peers others; the same
+    # batches on each rank as under Lightning's class
+    lightning, ours = (run_distributed(_batches_seen, 4, kind, 2, 2) for kind in ("lightning", "ours"))
+    assert [r["seen"] for r in ours] == [r["seen"] for r in lightning] and all(r["sampler"] for r in ours)
+    assert ours[0]["seen"] == ours[1]["seen"] and ours[2]["seen"] == ours[3]["seen"]
+    assert ours[0]["seen"] != ours[2]["seen"] and len(ours[0]["seen"]) == 16 // 2 // 2
