@@ -121,6 +121,18 @@ GEMMA3_VL = {
 (``token_type_ids``), sliding-window and full-attention text layers, soft-capped logits."""
 
 
+IDEFICS3_IMAGE = VOCAB - 1
+IDEFICS3 = {
+    "model_type": "idefics3",
+    "text_config": {**LLAMA, "pad_token_id": 0},
+    "vision_config": {key: value for key, value in LLAVA["vision_config"].items() if key != "model_type"},
+    "scale_factor": 2,  # (the 4 x 4 patch features shuffled into 4 tokens)
+    "image_token_id": IDEFICS3_IMAGE,
+    "pad_token_id": 0,
+}
+"""A tiny Idefics3 (SmolVLM's architecture): a Llama decoder, a SigLIP tower, a pixel-shuffle connector."""
+
+
 def _image_caption_batches(
     draw_image, pixel_inputs, seed: int, dp_rank: int, dp: int, count: int, global_batch: int, text_only_rows: range
 ) -> list[dict[str, torch.Tensor]]:
@@ -171,6 +183,21 @@ def gemma3_vl_batches(
         return {"pixel_values": torch.stack(images)}
 
     return _image_caption_batches(draw, inputs, 13, dp_rank, dp, count, global_batch, text_only_rows)
+
+
+def idefics3_batches(
+    dp_rank: int, dp: int, count: int, global_batch: int = 8, text_only_rows: range = range(0)
+) -> list[dict[str, torch.Tensor]]:
+    """As :func:`gemma3_vl_batches` for :data:`IDEFICS3`: 4 image tokens and a caption per row, ``pixel_values
+    (images, 1, 3, 16, 16)`` (one image per sample)."""
+
+    def draw(gen):
+        return torch.full((4,), IDEFICS3_IMAGE), torch.randn(1, 3, 16, 16, generator=gen)
+
+    def inputs(images):
+        return {"pixel_values": torch.stack(images)}
+
+    return _image_caption_batches(draw, inputs, 17, dp_rank, dp, count, global_batch, text_only_rows)
 
 
 def qwen_vl_batches(

@@ -54,6 +54,7 @@ from tests.helpers import (
 from tests.hf_models import (
     FAMILIES,
     GEMMA3_VL,
+    IDEFICS3,
     IMAGE_TOKEN,
     IMAGE_TOKENS,
     LLAMA,
@@ -62,6 +63,7 @@ from tests.hf_models import (
     QWEN3_VL,
     gemma3_vl_batches,
     hf_model,
+    idefics3_batches,
     qwen_vl_batches,
     token_batches,
 )
@@ -260,6 +262,13 @@ MODELS = {
         lambda dp_rank, dp: _alternate(gemma3_vl_batches(dp_rank, dp, 2, GLOBAL_BATCH, range(GLOBAL_BATCH // 2, 8))),
         {},
     ),
+    # Idefics3 (SmolVLM's architecture): images as (images, 1, 3, S, S), a pixel-shuffle connector
+    "idefics3": (IDEFICS3, lambda dp_rank, dp: _alternate(idefics3_batches(dp_rank, dp, 2, GLOBAL_BATCH)), {}),
+    "idefics3_text_rank": (
+        IDEFICS3,
+        lambda dp_rank, dp: _alternate(idefics3_batches(dp_rank, dp, 2, GLOBAL_BATCH, range(GLOBAL_BATCH // 2, 8))),
+        {},
+    ),
     # today's other decoder families (tests.hf_models.FAMILIES), found by their structure
     **{family: (config, llama_batches, {}) for family, config in FAMILIES.items()},
 }
@@ -394,6 +403,8 @@ def _losses(run: dict) -> torch.Tensor:
     + [("qwen3_vl_text_rank", "fsdp2")]
     + [("gemma3_vl", mesh) for mesh in ("fsdp2", "tp2", "tp2_sp")]
     + [("gemma3_vl_text_rank", "fsdp2")]
+    + [("idefics3", mesh) for mesh in ("fsdp2", "tp2")]
+    + [("idefics3_text_rank", "fsdp2")]
     + [("qwen2_5_vl_text_rank", "fsdp2"), ("qwen2_5_vl_frozen_vision", "fsdp2"), ("qwen2_5_vl_lora", "tp2_fsdp2")]
     + [("llama", mesh) for mesh in ("fsdp2_compiled", "tp2_compiled", "fsdp2_ac_compiled", "pp2_compiled")]
     + [("llama", mesh) for mesh in ("fsdp2_sac", "tp2_sp_sac")]

@@ -395,21 +395,35 @@ def test_a_tp_plan_typo_under_pipeline_parallel_is_refused_on_every_stage():
         stage_plan(llama, typo, unsplit)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "gemma3", "llava"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3", "llava"])
 def test_a_batch_without_images_reaches_the_parameters_an_image_reaches(model_type):
     # Under FSDP2 every rank must run the tower's units and give the same parameters gradients as its peers, or the
     # reduce-scatters differ and gloo aborts (tests/distributed/test_hf_causal_lm.py, *_text_rank): a blank image
     # goes through exactly what a real one reaches (Qwen3-VL's deepstack mergers too; not LLaVA's last vision layer,
     # whose output LLaVA does not use), adding zero.
     from tests.distributed.test_hf_causal_lm import image_text_batches, llama_batches
-    from tests.hf_models import GEMMA3_VL, QWEN2_5_VL, QWEN3_VL, gemma3_vl_batches, qwen_vl_batches
+    from tests.hf_models import (
+        GEMMA3_VL,
+        IDEFICS3,
+        QWEN2_5_VL,
+        QWEN3_VL,
+        gemma3_vl_batches,
+        idefics3_batches,
+        qwen_vl_batches,
+    )
 
-    configs = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "gemma3": GEMMA3_VL, "llava": LLAVA}
+    configs = {
+        "qwen2_5_vl": QWEN2_5_VL,
+        "qwen3_vl": QWEN3_VL,
+        "gemma3": GEMMA3_VL,
+        "idefics3": IDEFICS3,
+        "llava": LLAVA,
+    }
     lightning_module = HFCausalLMModule(config=copy.deepcopy(configs[model_type]))
     if model_type == "llava":  # (the same rows with and without their image tokens and pixels)
         with_images, without = image_text_batches(0, 1)[0], llama_batches(0, 1)[0]
     else:
-        make = gemma3_vl_batches if model_type == "gemma3" else qwen_vl_batches
+        make = {"gemma3": gemma3_vl_batches, "idefics3": idefics3_batches}.get(model_type, qwen_vl_batches)
         ((with_images,), (without,)) = make(0, 1, 1, global_batch=2), make(0, 1, 1, 2, text_only_rows=range(2))
         assert "pixel_values" not in without
 

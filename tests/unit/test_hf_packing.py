@@ -487,3 +487,22 @@ def test_gemma3_vl_image_tokens_see_each_other_packed_or_not():
     packed_loss, packed_data = module._loss(packed)
     assert (packed_data["targets"] != IGNORE_INDEX).sum() == (data["targets"] != IGNORE_INDEX).sum()
     torch.testing.assert_close(packed_loss, loss, rtol=1e-10, atol=0)
+
+
+def test_idefics3_packed_rows_equal_one_sample_per_row():
+    """Idefics3 (SmolVLM's architecture), float64: one sample per row gives transformers' own loss, a packed row the
+    loss of its samples one per row."""
+    import copy
+
+    from tests.hf_models import IDEFICS3, idefics3_batches
+
+    torch.manual_seed(0)
+    module = HFCausalLMModule(config=copy.deepcopy(IDEFICS3)).double()
+    (batch,) = idefics3_batches(0, 1, 1, global_batch=3)
+    batch["pixel_values"] = batch["pixel_values"].double()
+    loss, _ = module._loss(batch)
+    logits = module.model(**{key: value for key, value in batch.items() if key != "labels"}, use_cache=False).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    packed_loss, _ = module._loss(_packed_into_one_row(batch))
+    torch.testing.assert_close(packed_loss, loss, rtol=1e-10, atol=0)

@@ -81,7 +81,7 @@ def blank_image_inputs(lm: Any, like: torch.Tensor) -> dict[str, torch.Tensor]:
     """``get_image_features`` inputs of one blank image, of ``like``'s dtype and device: a Qwen-VL-style model's
     (a vision config with ``spatial_merge_size`` and ``temporal_patch_size``) are the flattened patches of one merge
     window, ``(merge^2, C * T * P * P)`` on the grid ``(1, merge, merge)``; a fixed-size model's (LLaVA, Gemma 3) one
-    ``(1, C, S, S)`` canvas of its vision config's ``image_size``."""
+    ``(1, C, S, S)`` canvas of its vision config's ``image_size`` (Idefics3 / SmolVLM: ``(1, 1, C, S, S)``)."""
     vision = lm.config.vision_config
     merge, temporal = getattr(vision, "spatial_merge_size", None), getattr(vision, "temporal_patch_size", None)
     if merge and temporal:
@@ -89,7 +89,11 @@ def blank_image_inputs(lm: Any, like: torch.Tensor) -> dict[str, torch.Tensor]:
         grid = torch.tensor([[1, merge, merge]], device=like.device)
         return {"pixel_values": like.new_zeros(merge * merge, features), "image_grid_thw": grid}
     size = int(vision.image_size)  # (one fixed-size image: LLaVA's, Gemma 3's)
-    return {"pixel_values": like.new_zeros(1, getattr(vision, "num_channels", 3), size, size)}
+    canvas = like.new_zeros(1, getattr(vision, "num_channels", 3), size, size)
+    if "pixel_attention_mask" in inspect.signature(lm.model.get_image_features).parameters:
+        # Idefics3 / SmolVLM: (samples, images per sample, C, S, S), and an all-zero image is padding it drops
+        canvas = (canvas + 1.0)[None]
+    return {"pixel_values": canvas}
 
 
 @contextmanager
