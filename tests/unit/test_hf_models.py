@@ -445,21 +445,27 @@ def test_a_batch_without_images_reaches_the_parameters_an_image_reaches(model_ty
         plan.check_degrees({**DEGREES, "pp": 2})
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "llava", "idefics3"])
 def test_freeze_stops_the_named_parts_only(model_type):
     # (trained so under fsdp2 against one process: tests/distributed/test_hf_causal_lm.py, qwen2_5_vl_frozen_vision)
-    from tests.hf_models import QWEN2_5_VL
+    from tests.hf_models import IDEFICS3, QWEN2_5_VL
 
-    config = copy.deepcopy(QWEN2_5_VL if model_type == "qwen2_5_vl" else LLAVA)
-    tower, projector = ("visual.", "visual.merger.") if model_type == "qwen2_5_vl" else ("vision_tower.", "projector.")
+    config = copy.deepcopy({"qwen2_5_vl": QWEN2_5_VL, "llava": LLAVA, "idefics3": IDEFICS3}[model_type])
+    tower, projector = {
+        "qwen2_5_vl": ("visual.", "visual.merger."),
+        "llava": ("vision_tower.", "projector."),
+        "idefics3": ("vision_model.", "connector."),
+    }[model_type]
     frozen = HFCausalLMModule(config=config, freeze=["vision"])
     names = {name: param.requires_grad for name, param in frozen.named_parameters()}
     assert all(not grad for name, grad in names.items() if tower in name and projector not in name)
     assert all(grad for name, grad in names.items() if tower not in name or projector in name)
     assert any(projector in name for name in names) and any(tower in name and projector not in name for name in names)
     only_decoder = HFCausalLMModule(config=copy.deepcopy(config), freeze=["vision", "projector"])
-    trainable = {name for name, param in only_decoder.named_parameters() if param.requires_grad}
-    assert trainable and all("language_model" in name or "lm_head" in name for name in trainable)
+    trainable = {id(param) for param in only_decoder.parameters() if param.requires_grad}
+    lm = only_decoder.causal_lm
+    decoder = {id(param) for part in (lm.get_decoder(), lm.get_output_embeddings()) for param in part.parameters()}
+    assert trainable == decoder
     with pytest.raises(ValueError, match=r"'tower' is not a part; the parts are \['vision', 'projector', 'decoder'\]"):
         HFCausalLMModule(config=copy.deepcopy(config), freeze=["tower"])
     with pytest.raises(ValueError, match=r"LlamaForCausalLM has no vision \(its parts: \['decoder'\]\)"):
