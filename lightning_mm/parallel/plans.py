@@ -58,6 +58,7 @@ __all__ = [
     "LinearOnSequenceShards",
     "ReplicateParallel",
     "apply_tensor_parallel",
+    "base_linear",
     "gather_first_input",
     "is_sequence_type",
     "resolve_plan",
@@ -283,7 +284,7 @@ def stage_plan(
     }
 
 
-def _base_linear(module: nn.Module | None) -> nn.Linear | None:
+def base_linear(module: nn.Module | None) -> nn.Linear | None:
     """``module`` if an ``nn.Linear``, the one a peft LoRA layer wraps (``base_layer``), else None."""
     base = getattr(module, "base_layer", module)
     return base if isinstance(base, nn.Linear) else None
@@ -307,7 +308,7 @@ def _check_divisibility(model: nn.Module, styles: dict[str, ParallelStyle], tp: 
     for fqn, module in modules.items():
         head_dim = getattr(module, "head_dim", None)
         projections = [f"{fqn}.{name}" if fqn else name for name in ("q_proj", "k_proj", "v_proj")]
-        q_proj, k_proj = (_base_linear(getattr(module, name, None)) for name in ("q_proj", "k_proj"))
+        q_proj, k_proj = (base_linear(getattr(module, name, None)) for name in ("q_proj", "k_proj"))
         if not isinstance(head_dim, int) or q_proj is None or not head_split.intersection(projections):
             continue
         heads = q_proj.out_features // head_dim

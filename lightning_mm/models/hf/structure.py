@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 from lightning_mm.parallel.pipeline import PassThrough
-from lightning_mm.parallel.plans import is_sequence_type
+from lightning_mm.parallel.plans import base_linear, is_sequence_type
 
 __all__ = [
     "distinct_layers",
@@ -341,11 +341,6 @@ def sequence_parallel_refusal(layer: nn.Module) -> str | None:
     return None
 
 
-def _is_linear(module: nn.Module | None) -> bool:
-    """An ``nn.Linear``, or a peft LoRA layer around one (its ``base_layer``)."""
-    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
-
-
 def layer_tp_plan(decoder: nn.Module, layers: str = "layers") -> dict[str, str] | str:
     """A ``base_model_tp_plan`` for the decoder layers, read from their structure, for a model whose config declares
     none for them (transformers 5.25's Qwen3-VL text config declares its embedding only), or why not.
@@ -366,7 +361,7 @@ def layer_tp_plan(decoder: nn.Module, layers: str = "layers") -> dict[str, str] 
     for layer in found:
         for part, names in parts.items():
             module = getattr(layer, part, None)
-            missing = [name for name in names if not _is_linear(getattr(module, name, None))]
+            missing = [name for name in names if base_linear(getattr(module, name, None)) is None]
             if missing:
                 return f"{type(layer).__name__}.{part} has no nn.Linear {missing}"
             other = sorted(set(dict(module.named_children())) - set(names) - allowed[part])
