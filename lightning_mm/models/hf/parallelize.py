@@ -7,7 +7,7 @@ embeddings are the LM head. From it, :func:`causal_lm_parallel_plan` declares:
 * **FSDP2 / activation-checkpointing units**: the decoder layers (embeddings, final norm and head form the root unit).
 * **Tensor parallel**: the model's own ``config.base_model_tp_plan`` (attention q/k/v colwise, o rowwise; MLP gate /
   up colwise, down rowwise), whose patterns are relative to the decoder, resolved relative to the LightningModule,
-  its styles mapped by :func:`_hf_style` (fused projections that gather their output, per-head norms; a style with
+  its styles mapped by :data:`_HF_STYLES` (fused projections that gather their output, per-head norms; a style with
   no equivalent is refused naming the entry); grouped KV heads are split whole (``tensor_parallel`` must divide
   ``num_key_value_heads`` where the projections leave each rank its heads). Two choices of ours,
   since HF's own plan leaves them out or to its own loader: the **embedding is vocab-sharded**
@@ -109,46 +109,37 @@ PIPELINE_VISION_LANGUAGE = ("llava",)
 decoder that :func:`~lightning_mm.models.hf.structure.pipeline_refusal` admits)."""
 
 
-def _hf_style(name: str, sequence_parallel: bool) -> str | ParallelStyle | None:
-    """The lightning-mm style (a name of :data:`lightning_mm.parallel.plans.STYLES` or a ``ParallelStyle``) for a
-    ``base_model_tp_plan`` style of transformers 5 (``transformers.distributed.tensor_parallel``), or None for a style
-    with no equivalent here (refused by name: the MoE styles ``grouped_gemm`` / ``ep_dispatch_experts`` /
-    ``moe_tp_experts``, ``mla_kv_a_proj``, ``packed_*``, ``local_params`` ...).
+_HF_STYLES: dict[str, Callable[[bool], str | ParallelStyle]] = {
+    "colwise": lambda sequence_parallel: "colwise",
+    "rowwise": lambda sequence_parallel: "rowwise",  # (made a reduce-scatter by _sequence_parallel, with the rest)
+    "colwise_gather_output": lambda sequence_parallel: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda sequence_parallel: (
+        RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+        if sequence_parallel
+        else RowwiseParallel(input_layouts=Replicate())
+    ),
+    "replicated_with_grad_allreduce": lambda sequence_parallel: SequenceParallel(
+        sequence_dim=-2, use_local_output=True
+    ),
+    # (the vocab-sharded embedding of hf_tp_plan replaces embedding_rowwise in any case)
+    "embedding_rowwise": lambda sequence_parallel: RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Replicate()
+    ),
+    "embedding_colwise": lambda sequence_parallel: ColwiseParallel(
+        input_layouts=Replicate(), output_layouts=Replicate()
+    ),
+}
+"""``base_model_tp_plan`` styles of transformers 5 (``transformers.distributed.tensor_parallel``) -> a function of
+``sequence_parallel`` giving the lightning-mm style (a name of :data:`lightning_mm.parallel.plans.STYLES` or a
+``ParallelStyle``). A style not here has no equivalent and is refused by name (the MoE styles ``grouped_gemm`` /
+``ep_dispatch_experts`` / ``moe_tp_experts``, ``mla_kv_a_proj``, ``packed_*``, ``local_params`` ...).
 
-    ``replicated_with_grad_allreduce`` (Qwen3's and Gemma 3's per-head ``q_norm`` / ``k_norm``, between a colwise
-    projection and the attention): transformers keeps the weight plain and all-reduces its gradient in a hook; here
-    the weight is a ``Replicate`` DTensor and the input this rank's heads, a ``Shard(-2)`` DTensor of ``(..., heads,
-    head_dim)``, so DTensor's backward sums the partial gradient over tp and FSDP2 composes with it (torchtitan
-    places these norms alike). Under sequence parallel both rowwise styles reduce-scatter their output over the
-    sequence (``Shard(1)``) instead of all-reducing it."""
-    if name == "colwise":
-        return "colwise"
-    if name == "rowwise":
-        return "rowwise"  # (made a reduce-scatter by _sequence_parallel, with the rest of the plan)
-    if name == "colwise_gather_output":
-        return ColwiseParallel(output_layouts=Replicate())
-    if name == "rowwise_split_input":
-        if sequence_parallel:
-            return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
-        return RowwiseParallel(input_layouts=Replicate())
-    if name == "replicated_with_grad_allreduce":
-        return SequenceParallel(sequence_dim=-2, use_local_output=True)
-    if name == "embedding_rowwise":  # (the vocab-sharded embedding of hf_tp_plan replaces it in any case)
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if name == "embedding_colwise":
-        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    return None
-
-
-_HF_STYLE_NAMES = (
-    "colwise",
-    "rowwise",
-    "colwise_gather_output",
-    "rowwise_split_input",
-    "replicated_with_grad_allreduce",
-    "embedding_rowwise",
-    "embedding_colwise",
-)
+``replicated_with_grad_allreduce`` (Qwen3's and Gemma 3's per-head ``q_norm`` / ``k_norm``, between a colwise
+projection and the attention): transformers keeps the weight plain and all-reduces its gradient in a hook; here the
+weight is a ``Replicate`` DTensor and the input this rank's heads, a ``Shard(-2)`` DTensor of ``(..., heads,
+head_dim)``, so DTensor's backward sums the partial gradient over tp and FSDP2 composes with it (torchtitan places
+these norms alike). Under sequence parallel both rowwise styles reduce-scatter their output over the sequence
+(``Shard(1)``) instead of all-reducing it."""
 
 
 # ------------------------------------------------------------------------------------------------------ structure
@@ -180,6 +171,13 @@ class DecoderLayout:
     def units(self) -> list[str]:
         """Pipeline units in forward order."""
         return [self.embed, *self.layers, self.norm, self.head]
+
+    @property
+    def decoder_attributes(self) -> tuple[str, str, str]:
+        """The decoder's attribute names of its embedding, layer list and final norm (``"embed_tokens"``,
+        ``"layers"``, ``"norm"`` for Llama's)."""
+        layer_list = self.layers[0].rpartition(".")[0]
+        return tuple(fqn.rpartition(".")[2] for fqn in (self.embed, layer_list, self.norm))  # type: ignore[return-value]
 
 
 def _name_of(root: nn.Module, target: nn.Module, what: str) -> str:
@@ -358,9 +356,7 @@ def _layers_refusal(root: nn.Module, layout: DecoderLayout) -> str | None:
     """:func:`sequence_parallel_refusal` of the decoder layers ``root`` holds, one per structure, and
     :func:`layer_loop_refusal` of the decoder's loop over them."""
     layers = distinct_layers(map(root.get_submodule, layout.layers))
-    loop = layer_loop_refusal(
-        root.get_submodule(layout.decoder), layout.layers[0].rpartition(".")[0].rpartition(".")[2]
-    )
+    loop = layer_loop_refusal(root.get_submodule(layout.decoder), layout.decoder_attributes[1])
     return next(filter(None, map(sequence_parallel_refusal, layers)), loop)
 
 
@@ -381,7 +377,7 @@ def hf_tp_plan(
     declared = dict(
         getattr(text_config, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {}
     )
-    layers_name = layout.layers[0].rpartition(".")[0].rpartition(".")[2]
+    layers_name = layout.decoder_attributes[1]
     if not any(pattern.startswith(f"{layers_name}.") for pattern in declared):
         derived = layer_tp_plan(lm.get_decoder(), layers_name)  # (transformers 5.25's Qwen3-VL declares none)
         if isinstance(derived, str):
@@ -394,13 +390,12 @@ def hf_tp_plan(
         declared |= derived
     plan: dict[str, str | ParallelStyle] = {}
     for pattern, style in declared.items():
-        ours = _hf_style(style, sequence_parallel)
-        if ours is None:
+        if style not in _HF_STYLES:
             raise ValueError(
                 f"{type(config).__name__}.base_model_tp_plan entry {pattern!r}: the style {style!r} has no "
-                f"lightning-mm equivalent (known: {list(_HF_STYLE_NAMES)}); pass tp_plan=... by hand for this model"
+                f"lightning-mm equivalent (known: {list(_HF_STYLES)}); pass tp_plan=... by hand for this model"
             )
-        plan[f"{layout.decoder}.{pattern}"] = ours
+        plan[f"{layout.decoder}.{pattern}"] = _HF_STYLES[style](sequence_parallel)
     if root is not None:
         plan = _with_lora_adapters(root, plan, sequence_parallel)
     if sequence_parallel:
@@ -807,10 +802,7 @@ def causal_lm_parallel_plan(
         shard_multiple[0] = degrees["tp"] if sequence_parallel and degrees["pp"] > 1 else 1
         lazy_plan.reset()  # (the plan depends on sharded_logits)
         if degrees["pp"] > 1:
-            decoder = root.get_submodule(layout.decoder)
-            parts = (layout.embed, layout.layers[0].rpartition(".")[0], layout.norm)
-            names = [unit.rpartition(".")[2] for unit in parts]
-            refusal = pipeline_refusal(decoder, *names)
+            refusal = pipeline_refusal(root.get_submodule(layout.decoder), *layout.decoder_attributes)
             if layout.stem and layout.model_type not in PIPELINE_VISION_LANGUAGE:
                 refusal = (
                     f"the vision-language models verified as stage 0 are {list(PIPELINE_VISION_LANGUAGE)}, not "
