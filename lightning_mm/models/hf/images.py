@@ -28,6 +28,7 @@ __all__ = [
     "ImageTokens",
     "blank_image_inputs",
     "vision_without_images",
+    "image_token_id",
     "image_token_types",
     "images_by_row",
     "images_in_order",
@@ -56,9 +57,7 @@ class ImageTokens:
         if vision is None:
             return None
         model_type = str(getattr(config, "model_type", ""))
-        token_id = getattr(config, "image_token_id", None)
-        if token_id is None:
-            token_id = getattr(config, "image_token_index", None)
+        token_id = image_token_id(config)
         if model_type not in IMAGE_MODEL_TYPES or token_id is None:
             raise ValueError(
                 f"{type(lm).__name__} ({model_type!r}) from the DataModule's image-caption batches: their images are "
@@ -70,6 +69,14 @@ class ImageTokens:
         if getattr(config, "vision_feature_select_strategy", "default") == "full":
             count += 1  # the CLS feature is kept
         return cls(int(token_id), count, size)
+
+
+def image_token_id(config: Any) -> int | None:
+    """A vision-language config's image placeholder token (``image_token_id``, or ``image_token_index`` as LLaVA's
+    and Gemma 3's older configs name it), None if it has neither."""
+    token = getattr(config, "image_token_id", None)
+    token = getattr(config, "image_token_index", None) if token is None else token
+    return None if token is None else int(token)
 
 
 IMAGE_MODEL_TYPES = ("llava",)
@@ -241,9 +248,7 @@ def image_token_types(lm: Any, input_ids: torch.Tensor, given: dict[str, Any]) -
     5.25 numbers the image tokens as text, ``compute_3d_position_ids``), ``token_type_ids`` for a vision-language
     model whose forward takes that (Gemma 3: without it the image tokens attend causally instead of to each other),
     silently either way."""
-    config = lm.config
-    token = getattr(config, "image_token_id", None)
-    token = getattr(config, "image_token_index", None) if token is None else token
+    token = image_token_id(lm.config)
     accepted = inspect.signature(type(lm).forward).parameters
     if "image_grid_thw" in accepted and given.get("image_grid_thw") is None:
         raise ValueError(
@@ -253,7 +258,7 @@ def image_token_types(lm: Any, input_ids: torch.Tensor, given: dict[str, Any]) -
     missing = [key for key in ("mm_token_type_ids", "token_type_ids") if key in accepted and given.get(key) is None]
     if token is None or not missing:
         return {}
-    marks = (input_ids == int(token)).int()
+    marks = (input_ids == token).int()
     return {missing[0]: marks if missing[0] == "mm_token_type_ids" else marks.long()}
 
 

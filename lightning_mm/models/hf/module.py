@@ -221,10 +221,7 @@ class HFCausalLMModule(L.LightningModule):
         """``model`` with its LoRA adapters (``lora``), then the ``freeze`` parts frozen."""
         model = self._with_lora(model)
         if self.hparams.freeze:
-            get_base = getattr(model, "get_base_model", None)
-            freeze_parts(
-                get_base() if callable(get_base) and self.hparams.lora is not None else model, self.hparams.freeze
-            )
+            freeze_parts(self._unwrapped(model), self.hparams.freeze)
         return model
 
     def _with_lora(self, model: nn.Module) -> nn.Module:
@@ -247,8 +244,11 @@ class HFCausalLMModule(L.LightningModule):
     @property
     def causal_lm(self) -> nn.Module:
         """The ``*ForCausalLM`` module (inside the peft wrapper when LoRA is on)."""
-        get_base = getattr(self.model, "get_base_model", None)
-        return get_base() if callable(get_base) and self.hparams.lora is not None else self.model
+        return self._unwrapped(self.model)
+
+    def _unwrapped(self, model: nn.Module) -> nn.Module:
+        get_base = getattr(model, "get_base_model", None)
+        return get_base() if callable(get_base) and self.hparams.lora is not None else model
 
     def parallel_plan(
         self, *, sequence_parallel: bool = False, microbatches: int = 1, pipeline_shape=None

@@ -726,11 +726,14 @@ def _fixed_length_padder(max_length: int | None, lm: nn.Module, multiple: Callab
     parallel the tp degree: the stages exchange equal sequence shards, and a received shard's global length is
     taken as ``tp`` times its own)."""
     length: list[int] = []  # (fixed at the first batch: multiple() is known once the strategy checked the degrees)
+    # (asked at the first batch, when pipelining: a vision-language model other than LLaVA's kind is refused by name
+    # then, and not where the plan is built for any mesh)
+    image_tokens: list[ImageTokens | None] = []
 
     def prepare(batch: Any) -> dict[str, torch.Tensor]:
-        # (asked here, when pipelining: a vision-language model other than LLaVA's kind is refused by name then, and
-        # not where the plan is built for any mesh)
-        images = ImageTokens.of(lm) if getattr(lm.config, "vision_config", None) is not None else None
+        if not image_tokens:
+            image_tokens.append(ImageTokens.of(lm) if getattr(lm.config, "vision_config", None) is not None else None)
+        images = image_tokens[0]
         out = as_causal_lm_batch(batch, images)
         layout_kwargs(lm, out["attention_mask"], out["position_ids"])  # a packed batch the stages cannot run: refused
         current = out["input_ids"].shape[1]
