@@ -268,7 +268,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             rank_zero_warn(f"allow_cross_node_groups=True: {finding}")
         super(ModelParallelStrategy, self).setup_environment()  # accelerator / device setup
         self._setup_distributed()
-        self._device_mesh = with_lightning_mesh_names(self._dims.build_mesh(self.root_device.type))
+        self._device_mesh = with_lightning_mesh_names(self._dims.build_mesh(self.root_device.type), self._dims)
         # Lightning's logger (shown by default), rank 0 only: the mesh and where each axis lies.
         layout = self._dims.describe_nodes(self.num_processes)
         rank_zero_info(f"device mesh {describe_mesh(self.topology()['mesh'])}: {layout}")

@@ -6,19 +6,19 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["LIGHTNING_MESH_NAMES", "refuse_fsdp1", "with_lightning_mesh_names"]
+from lightning_mm.parallel.dims import MeshAxis, ParallelDims
 
-LIGHTNING_MESH_NAMES = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
-"""The mesh dimension names of Lightning's ``ModelParallelStrategy`` (whose examples parallelise in
-``configure_model`` with ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]``) and the axes of ours they
-are: data parallel is every axis samples differ over (``dp_replicate x dp_shard``, flattened)."""
+__all__ = ["refuse_fsdp1", "with_lightning_mesh_names"]
 
 
-def with_lightning_mesh_names(world: DeviceMesh) -> DeviceMesh:
-    """Make ``world[name]`` work for each of :data:`LIGHTNING_MESH_NAMES` (flattened views registered on the world
-    mesh, beside ours: ``pp``, ``dp_replicate``, ``dp_shard``, ``dp``, ``tp``); another name raises torch's
-    ``KeyError``, which lists every valid one. Called on every rank (flattening creates process groups)."""
-    for name, axes in LIGHTNING_MESH_NAMES.items():
+def with_lightning_mesh_names(world: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """Make ``world[name]`` work for the mesh dimension names of Lightning's ``ModelParallelStrategy`` (whose examples
+    parallelise in ``configure_model`` with ``self.device_mesh["data_parallel"]`` / ``["tensor_parallel"]``):
+    flattened views registered on the world mesh, beside ours (``pp``, ``dp_replicate``, ``dp_shard``, ``dp``,
+    ``tp``). Data parallel is every axis samples differ over (``dims.batch_axes``, which ``dp`` is flattened from).
+    Another name raises torch's ``KeyError``, which lists every valid one. Called on every rank (flattening creates
+    process groups)."""
+    for name, axes in (("data_parallel", dims.batch_axes), ("tensor_parallel", (MeshAxis.TP.value,))):
         world[axes]._flatten(name)
     return world
 
