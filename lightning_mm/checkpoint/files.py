@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from typing_extensions import override
 
 from lightning_mm.checkpoint.errors import (
+    METADATA_FILE,
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
@@ -29,6 +30,22 @@ from lightning_mm.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 from lightning_mm.checkpoint.safe_pickle import _is_plain_name, _read_dcp_metadata, safe_load
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """True for a DCP checkpoint directory with its ``meta.pt`` (:func:`~lightning_mm.checkpoint.save_sharded`'s
+    layout, and Lightning's ``ModelParallelStrategy``'s)."""
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file() and (path / METADATA_FILE).is_file()
+
+
+def _read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    """``meta.pt`` of the checkpoint directory ``path``, read inside it (no link followed) and safely."""
+    with _open_inside(path, METADATA_FILE) as file:
+        metadata = safe_load(io.BytesIO(file.read()), str(path / METADATA_FILE), weights_only)
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError(f"{str(path / METADATA_FILE)!r} holds a {type(metadata).__name__}, not a dict")
+    return metadata
 
 
 def _open_inside(directory: Path, name: str) -> BinaryIO:

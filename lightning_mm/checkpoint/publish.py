@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import io
 import json
 import logging
 import os
@@ -20,7 +19,6 @@ import torch.distributed as dist
 
 from lightning_mm.checkpoint.errors import (
     COMPLETE_FILE,
-    METADATA_FILE,
     TOPOLOGY_FILE,
     TOPOLOGY_KEY,
     CheckpointError,
@@ -28,8 +26,8 @@ from lightning_mm.checkpoint.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from lightning_mm.checkpoint.files import _link_refused, _read_inside
-from lightning_mm.checkpoint.safe_pickle import _is_plain_name, safe_load
+from lightning_mm.checkpoint.files import _link_refused, _read_inside, _read_meta, is_sharded_checkpoint
+from lightning_mm.checkpoint.safe_pickle import _is_plain_name
 
 log = logging.getLogger(__name__)
 
@@ -281,15 +279,14 @@ def written_by_lightning(path: Path, weights_only: bool | None = True) -> bool:
     ``ModelParallelStrategy``: DCP's ``.metadata`` and ``meta.pt``, no ``topology.json``, and a ``meta.pt`` (read
     safely, inside the directory) without the lightning-mm topology that every save of ours records, so a directory
     of ours (interrupted, or retired by :func:`_publish`) is never taken for one."""
-    if path.is_symlink() or not path.is_dir() or (path / COMPLETE_FILE).exists() or (path / TOPOLOGY_FILE).exists():
+    if path.is_symlink() or (path / COMPLETE_FILE).exists() or (path / TOPOLOGY_FILE).exists():
         return False
-    if not ((path / ".metadata").is_file() and (path / METADATA_FILE).is_file()):
+    if not is_sharded_checkpoint(path):
         return False
     try:
-        metadata = safe_load(io.BytesIO(_read_inside(path, METADATA_FILE)), str(path / METADATA_FILE), weights_only)
+        return TOPOLOGY_KEY not in _read_meta(path, weights_only)
     except (OSError, CheckpointError):
         return False
-    return isinstance(metadata, dict) and TOPOLOGY_KEY not in metadata
 
 
 def _newest_complete(path: Path) -> Path:

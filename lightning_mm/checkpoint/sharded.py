@@ -3,7 +3,6 @@ consolidation into one file."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 from collections.abc import Generator, Mapping, Sequence
@@ -37,9 +36,10 @@ from lightning_mm.checkpoint.errors import (
 from lightning_mm.checkpoint.files import (
     SafeLoadPlanner,
     _dcp_load,
-    _open_inside,
     _read_inside,
+    _read_meta,
     _SafeEmptyStateDictLoadPlanner,
+    is_sharded_checkpoint,
 )
 from lightning_mm.checkpoint.publish import (
     _newest_complete,
@@ -62,12 +62,6 @@ log = logging.getLogger(__name__)
 
 def _optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
-
-
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    """True for a DCP checkpoint directory written by :func:`save_sharded`."""
-    path = Path(path)
-    return path.is_dir() and (path / ".metadata").is_file() and (path / METADATA_FILE).is_file()
 
 
 def check_finished(path: str | Path, weights_only: bool | None = True) -> str:
@@ -186,15 +180,6 @@ def read_topology(path: str | Path, weights_only: bool | None = True) -> dict[st
             raise CorruptCheckpointError(f"{str(path / TOPOLOGY_FILE)!r} is corrupt ({error})") from None
         return topology
     return safe_load(path, str(path), weights_only, map_location="cpu", mmap=True).get(TOPOLOGY_KEY, {})
-
-
-def _read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
-    """``meta.pt`` of the checkpoint directory ``path``, read inside it (no link followed) and safely."""
-    with _open_inside(path, METADATA_FILE) as file:
-        metadata = safe_load(io.BytesIO(file.read()), str(path / METADATA_FILE), weights_only)
-    if not isinstance(metadata, dict):
-        raise CorruptCheckpointError(f"{str(path / METADATA_FILE)!r} holds a {type(metadata).__name__}, not a dict")
-    return metadata
 
 
 def load_sharded(
