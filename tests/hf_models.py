@@ -168,21 +168,27 @@ def _image_caption_batches(
     return batches
 
 
+def _fixed_size_image_batches(placeholder: list[int], image_shape: tuple[int, ...], seed: int, *args) -> list[dict]:
+    """:func:`_image_caption_batches` with one fixed-size image per sample: ``placeholder`` tokens, ``pixel_values
+    (images, *image_shape)``."""
+
+    def draw(gen):
+        return torch.tensor(placeholder), torch.randn(*image_shape, generator=gen)
+
+    def inputs(images):
+        return {"pixel_values": torch.stack(images)}
+
+    return _image_caption_batches(draw, inputs, seed, *args)
+
+
 def gemma3_vl_batches(
     dp_rank: int, dp: int, count: int, global_batch: int = 8, text_only_rows: range = range(0)
 ) -> list[dict[str, torch.Tensor]]:
     """As :func:`qwen_vl_batches` for :data:`GEMMA3_VL`: ``<boi> <image> * 4 <eoi>`` and a caption per row,
     ``pixel_values (images, 3, 16, 16)`` of this rank's rows in order; no ``token_type_ids`` (the module marks the
     image tokens, as the processor would)."""
-
-    def draw(gen):
-        tokens = torch.tensor([GEMMA3_BOI, *[GEMMA3_IMAGE] * 4, GEMMA3_EOI])
-        return tokens, torch.randn(3, 16, 16, generator=gen)
-
-    def inputs(images):
-        return {"pixel_values": torch.stack(images)}
-
-    return _image_caption_batches(draw, inputs, 13, dp_rank, dp, count, global_batch, text_only_rows)
+    placeholder = [GEMMA3_BOI, *[GEMMA3_IMAGE] * 4, GEMMA3_EOI]
+    return _fixed_size_image_batches(placeholder, (3, 16, 16), 13, dp_rank, dp, count, global_batch, text_only_rows)
 
 
 def idefics3_batches(
@@ -190,14 +196,8 @@ def idefics3_batches(
 ) -> list[dict[str, torch.Tensor]]:
     """As :func:`gemma3_vl_batches` for :data:`IDEFICS3`: 4 image tokens and a caption per row, ``pixel_values
     (images, 1, 3, 16, 16)`` (one image per sample)."""
-
-    def draw(gen):
-        return torch.full((4,), IDEFICS3_IMAGE), torch.randn(1, 3, 16, 16, generator=gen)
-
-    def inputs(images):
-        return {"pixel_values": torch.stack(images)}
-
-    return _image_caption_batches(draw, inputs, 17, dp_rank, dp, count, global_batch, text_only_rows)
+    placeholder = [IDEFICS3_IMAGE] * 4
+    return _fixed_size_image_batches(placeholder, (1, 3, 16, 16), 17, dp_rank, dp, count, global_batch, text_only_rows)
 
 
 def qwen_vl_batches(

@@ -64,6 +64,11 @@ def _forward_tree(module: nn.Module) -> tuple[ast.FunctionDef, Callable[[ast.AST
     return function, where
 
 
+def _parameters(function: ast.FunctionDef) -> set[str]:
+    """The names a function takes (positional and keyword-only)."""
+    return {argument.arg for argument in function.args.args + function.args.kwonlyargs}
+
+
 def _is_self_attribute(node: ast.AST, names: set[str]) -> bool:
     return (
         isinstance(node, ast.Attribute)
@@ -171,7 +176,7 @@ def pipeline_refusal(decoder: nn.Module, embed: str, layers: str, norm: str) -> 
         return found
     function, where, loop, stream = found
     name = type(decoder).__name__
-    if "inputs_embeds" not in {a.arg for a in function.args.args + function.args.kwonlyargs}:
+    if "inputs_embeds" not in _parameters(function):
         return f"{name}.forward takes no inputs_embeds (later stages pass the hidden states as inputs_embeds)"
     embeddings = {embed, "get_input_embeddings"}
     for statement in _assignments(function, "inputs_embeds"):
@@ -185,6 +190,13 @@ def pipeline_refusal(decoder: nn.Module, embed: str, layers: str, norm: str) -> 
                 f"{name}.forward transforms inputs_embeds ({where(statement)}); a later pipeline stage, which passes "
                 "the previous stage's hidden states as inputs_embeds, would apply it again"
             )
+
+    def changed_after(node: ast.AST) -> str:
+        return (
+            f"{name}.forward changes the hidden states after its layers other than by self.{norm} ({where(node)}); "
+            "every pipeline stage runs that code, not only the last"
+        )
+
     for statement in _assignments(function, stream):
         if statement.lineno < loop.lineno:
             plain = isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Name)
@@ -201,19 +213,13 @@ def pipeline_refusal(decoder: nn.Module, embed: str, layers: str, norm: str) -> 
                 and [ast.unparse(a) for a in value.args] == [stream]
             )
             if not normed:
-                return (
-                    f"{name}.forward changes the hidden states after its layers other than by self.{norm} "
-                    f"({where(statement)}); every pipeline stage runs that code, not only the last"
-                )
+                return changed_after(statement)
     after = [node for node in ast.walk(function) if getattr(node, "lineno", 0) > loop.end_lineno]
     for node in after:  # arithmetic on the stream or its normed value after the loop (`self.norm(h) * 2` returned)
         if isinstance(node, (ast.BinOp, ast.UnaryOp)):
             operands = [node.left, node.right] if isinstance(node, ast.BinOp) else [node.operand]
             if any(stream in {n.id for n in ast.walk(operand) if isinstance(n, ast.Name)} for operand in operands):
-                return (
-                    f"{name}.forward changes the hidden states after its layers other than by self.{norm} "
-                    f"({where(node)}); every pipeline stage runs that code, not only the last"
-                )
+                return changed_after(node)
     return None
 
 
@@ -312,7 +318,7 @@ def _masked_attention_refusal(attention: nn.Module) -> str | None:
     if isinstance(parsed, str):
         return parsed
     function, _ = parsed
-    if "attention_mask" not in {a.arg for a in function.args.args + function.args.kwonlyargs}:
+    if "attention_mask" not in _parameters(function):
         return f"{name}.forward takes no attention_mask"
     read = {node.id for node in ast.walk(function) if isinstance(node, ast.Name)}
     read |= {node.attr for node in ast.walk(function) if isinstance(node, ast.Attribute)}
